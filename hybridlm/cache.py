@@ -1,0 +1,263 @@
+"""Per-layer state types and the HybridCache that holds one state per layer.
+
+Every state keeps its batch rows on dim 0 of each tensor, so selecting rows (beam search, dropping finished
+sequences), cloning and moving devices are the same operation for every kind. Sizes, per batch row:
+
+* ``KVState`` (attention): keys and values ``[kv_heads, length, head_dim]`` plus an int64 padding count:
+  ``2 * kv_heads * length * head_dim * e + 8``.
+* ``SSMState`` (Mamba, Mamba-2): conv window ``[conv_channels, width - 1]`` in the model dtype and the fp32
+  recurrent state: ``conv_channels * (width - 1) * e + 4 * state_elements``.
+* ``LinearAttentionState`` (Performer) and ``CompressedKVState`` (causal Linformer): fixed-shape fp32 running
+  sums, ``4 * elements``.
+
+``e`` is the element size of the model dtype; ``length`` the number of token slots held (every token seen
+for full attention, at most ``window - 1`` for a sliding window). Recurrent states are kept in fp32 whatever
+the model dtype, as mamba-ssm does for the scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+
+def _tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclasses.dataclass
+class LayerState:
+    """Base of all states: tensor fields have the batch on dim 0; other fields are plain metadata."""
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+
+    def _replace(self, fn) -> LayerState:
+        return dataclasses.replace(self, **{name: fn(t) for name, t in self._tensors().items()})
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self._tensors().values())).shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes held for the tokens seen so far."""
+        return sum(_tensor_nbytes(t) for t in self._tensors().values())
+
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated, including room reserved for tokens not yet seen."""
+        return self.nbytes()
+
+    def select(self, index: torch.Tensor) -> LayerState:
+        """A new state made of batch rows ``index`` (rows may repeat, as in beam search)."""
+        return self._replace(lambda t: t.index_select(0, index.to(t.device)))
+
+    def clone(self) -> LayerState:
+        return self._replace(torch.clone)
+
+    def to(self, device: torch.device | str) -> LayerState:
+        return self._replace(lambda t: t.to(device))
+
+    def describe(self) -> tuple:
+        """Shapes and dtypes without the batch: what a model checks to recognise its own states."""
+        return tuple((name, tuple(t.shape[1:]), t.dtype) for name, t in self._tensors().items()
+                     if name not in self._growing())
+
+    def _growing(self) -> tuple[str, ...]:
+        return ()
+
+
+@dataclasses.dataclass
+class KVState(LayerState):
+    """Keys and values of an attention layer.
+
+    ``keys``/``values`` are ``[batch, kv_heads, capacity, head_dim]`` buffers of which the first ``length``
+    slots are filled. ``start`` is the absolute slot of buffer slot 0 (non-zero once a sliding window has
+    dropped old slots). ``padding`` counts each row's leading padding slots: slot ``s`` of row ``b`` holds
+    a real token iff ``s >= padding[b]``.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    padding: torch.Tensor
+    length: int = 0
+    start: int = 0
+    window: int | None = None
+    has_padding: bool = False  # any padding seen (a Python flag, so decode needs no device sync to know)
+
+    @classmethod
+    def empty(cls, batch_size, kv_heads, head_dim, *, capacity=0, window=None, device=None, dtype=None):
+        shape = (batch_size, kv_heads, capacity, head_dim)
+        return cls(
+            keys=torch.zeros(shape, device=device, dtype=dtype),
+            values=torch.zeros(shape, device=device, dtype=dtype),
+            padding=torch.zeros(batch_size, dtype=torch.long, device=device),
+            window=window,
+        )
+
+    def _growing(self) -> tuple[str, ...]:
+        return ("keys", "values")
+
+    def nbytes(self) -> int:
+        used = self.keys[:, :, : self.length]
+        return 2 * _tensor_nbytes(used) + _tensor_nbytes(self.padding)
+
+    def reserved_nbytes(self) -> int:
+        return super().nbytes()
+
+    @property
+    def end(self) -> int:
+        """Absolute slot after the last filled one: the number of slots this layer has seen."""
+        return self.start + self.length
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``keys, values [batch, kv_heads, new, head_dim]``; returns all held keys and values."""
+        new = keys.shape[2]
+        if self.length + new > self.keys.shape[2]:  # grow exactly to what is needed
+            extra = self.length + new - self.keys.shape[2]
+            grow = self.keys.new_zeros(*self.keys.shape[:2], extra, self.keys.shape[3])
+            self.keys = torch.cat([self.keys[:, :, : self.length], grow], dim=2)
+            self.values = torch.cat([self.values[:, :, : self.length], grow], dim=2)
+        self.keys[:, :, self.length : self.length + new] = keys
+        self.values[:, :, self.length : self.length + new] = values
+        self.length += new
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def trim_to_window(self) -> None:
+        """Keep only the ``window - 1`` most recent slots: all that a later token can attend to."""
+        if self.window is None or self.length <= self.window - 1:
+            return
+        keep = self.window - 1
+        drop = self.length - keep
+        self.keys = self.keys[:, :, drop : self.length].clone()
+        self.values = self.values[:, :, drop : self.length].clone()
+        self.start += drop
+        self.length = keep
+
+
+@dataclasses.dataclass
+class SSMState(LayerState):
+    """Mamba / Mamba-2: the causal-conv window ``conv [batch, channels, width - 1]`` (model dtype) and the
+    recurrent state ``ssm`` (fp32): ``[batch, d_inner, dstate]`` (Mamba-1) or ``[batch, heads, head_dim,
+    dstate]`` (Mamba-2)."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+@dataclasses.dataclass
+class LinearAttentionState(LayerState):
+    """Performer: the running sum ``kv [batch, heads, head_dim + 1, features]`` (fp32) of ``[v, 1] (outer)
+    phi(k)`` (the last row is the normaliser), kept scaled by ``exp(-max)``, where ``max [batch, heads]`` is
+    the largest key log-feature seen so far, so that it cannot overflow."""
+
+    kv: torch.Tensor
+    max: torch.Tensor
+
+
+@dataclasses.dataclass
+class CompressedKVState(LayerState):
+    """Causal Linformer: the compressed ``keys, values [batch, heads, rank, head_dim]`` (fp32)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class HybridCache:
+    """One state per layer, plus per-row token counts: what ``generate()`` carries between steps.
+
+    ``positions[b]`` counts the real (non-padding) tokens row ``b`` has seen, i.e. the position id of its
+    next token; ``seen`` counts the token slots of every row, padding included.
+    """
+
+    def __init__(self, states: list[LayerState], layer_types: list[str], signature: Any, batch_size: int,
+                 device: torch.device | None = None):
+        self.states = states
+        self.layer_types = list(layer_types)
+        self.signature = signature
+        self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.seen = 0
+
+    # --- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        return self.positions.shape[0]
+
+    def nbytes(self) -> int:
+        """Bytes held for the tokens seen so far, all layers (the per-row counters included)."""
+        return sum(s.nbytes() for s in self.states) + _tensor_nbytes(self.positions)
+
+    def reserved_nbytes(self) -> int:
+        """Bytes allocated, including preallocated room for tokens not yet seen."""
+        return sum(s.reserved_nbytes() for s in self.states) + _tensor_nbytes(self.positions)
+
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Bytes held, summed per mixer kind (``{"attention": ..., "mamba": ...}``)."""
+        totals: dict[str, int] = defaultdict(int)
+        for kind, state in zip(self.layer_types, self.states):
+            totals[kind] += state.nbytes()
+        return dict(totals)
+
+    # --- batch rows -----------------------------------------------------------------------------
+
+    def select(self, index: torch.Tensor) -> HybridCache:
+        """A new cache of batch rows ``index`` (batch compaction, beam expansion)."""
+        new = self._shell([s.select(index) for s in self.states])
+        new.positions = self.positions.index_select(0, index.to(self.positions.device))
+        return new
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder rows in place to follow the surviving beams (the hook beam search calls)."""
+        reordered = self.select(beam_idx)
+        self.states, self.positions = reordered.states, reordered.positions
+
+    # --- snapshots and devices ------------------------------------------------------------------
+
+    def snapshot(self) -> HybridCache:
+        """An independent copy (prefix caching: a shared prompt's state, restored for each continuation)."""
+        new = self._shell([s.clone() for s in self.states])
+        new.positions = self.positions.clone()
+        return new
+
+    def restore(self, snapshot: HybridCache) -> None:
+        """Return to ``snapshot``'s contents; the snapshot stays usable for further restores."""
+        if snapshot.signature != self.signature:
+            raise ValueError("HybridCache.restore: the snapshot was taken from a cache of a different model")
+        copy = snapshot.snapshot()
+        self.states, self.positions, self.seen = copy.states, copy.positions, copy.seen
+
+    def to(self, device: torch.device | str) -> HybridCache:
+        new = self._shell([s.to(device) for s in self.states])
+        new.positions = self.positions.to(device)
+        return new
+
+    def _shell(self, states: list[LayerState]) -> HybridCache:
+        new = HybridCache.__new__(HybridCache)
+        new.states, new.layer_types, new.signature, new.seen = states, self.layer_types, self.signature, self.seen
+        return new
+
+    # --- bookkeeping after a forward ------------------------------------------------------------
+
+    def advance(self, mask: torch.Tensor | None, new_tokens: int) -> None:
+        """Count ``new_tokens`` slots, of which ``mask`` marks the real ones (all when None)."""
+        self.seen += new_tokens
+        self.positions += new_tokens if mask is None else mask.sum(-1)
+
+    # --- what transformers' generate() asks of a cache (keep these in one place) ----------------
+
+    is_compileable = False
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [kind != "attention" for kind in self.layer_types]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def __repr__(self) -> str:
+        kinds = ", ".join(f"{k}: {v:,} B" for k, v in self.nbytes_by_kind().items())
+        return f"HybridCache(batch={self.batch_size}, seen={self.seen}, {kinds})"

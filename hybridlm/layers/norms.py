@@ -1,0 +1,43 @@
+"""RMSNorm, and the gated, grouped RMSNorm of Mamba-2."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, computed in fp32 and cast back (as Llama, Mamba and Jamba do)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Mamba-2's output norm: ``rms_norm(x * silu(gate))`` over groups of ``group_size`` channels."""
+
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6):
+        super().__init__()
+        if hidden_size % group_size:
+            raise ValueError(f"GatedRMSNorm: group_size={group_size} does not divide hidden_size={hidden_size}")
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.group_size = group_size
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        if gate is not None:
+            x = x * F.silu(gate.float())
+        grouped = x.unflatten(-1, (-1, self.group_size))
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.flatten(-2).to(dtype)

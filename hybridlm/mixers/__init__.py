@@ -1,0 +1,6 @@
+"""Sequence mixers behind one contract (see :mod:`hybridlm.mixers.base`), registered by name."""
+
+from . import attention, linformer, mamba, mamba2, performer  # noqa: F401  (each registers itself)
+from .base import MIXERS, Mixer, register
+
+__all__ = ["MIXERS", "Mixer", "register"]

@@ -1,0 +1,80 @@
+"""Softmax attention: MHA / GQA / MQA, RoPE (optionally partial), optional sliding window; SDPA underneath."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..cache import KVState
+from ..layers.rotary import RotaryEmbedding
+from .base import Mixer, register
+
+
+@register("attention")
+class Attention(Mixer):
+    """Attention over all earlier tokens (or the last ``sliding_window`` of them, itself included)."""
+
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        hidden, bias = config.hidden_size, config.attention_bias
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim, self.window = config.head_dim, config.sliding_window
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        rotary_dim = int(self.head_dim * config.partial_rotary_factor)
+        self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta) if rotary_dim else None
+
+    def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> KVState:
+        """Preallocates ``max_length`` slots when given (a sliding window keeps ``window - 1`` at most)."""
+        capacity = max_length if max_length and self.window is None else 0
+        return KVState.empty(batch_size, self.num_kv_heads, self.head_dim, capacity=capacity, window=self.window,
+                             device=device, dtype=dtype)
+
+    def forward(self, x, state: KVState | None = None, *, mask=None, positions=None):
+        batch, time, _ = x.shape
+        q = self.q_proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+        first = state.end if state is not None else 0  # slot of the first new token
+        if self.rotary is not None:
+            if positions is None:
+                positions = torch.arange(first, first + time, device=x.device).expand(batch, time)
+            cos, sin = self.rotary.cos_sin(positions, q.dtype)
+            q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
+
+        if state is None:
+            keys, values, key_start, cached_padding, padded_before = k, v, 0, None, False
+        else:
+            key_start, cached_padding, padded_before = state.start, state.padding, state.has_padding
+            keys, values = state.append(k, v)
+        needs_mask = mask is not None or padded_before or self.window is not None or (state is not None and time > 1)
+        allowed = None
+        if needs_mask:
+            allowed = self._allowed(time, first, key_start, keys.shape[2], cached_padding, mask, x.device)
+        out = ops.attention(q, keys, values, mask=allowed, causal=allowed is None and time > 1)
+
+        if state is not None:
+            if mask is not None:
+                state.padding = state.padding + (~mask).sum(-1)
+                state.has_padding = True
+            state.trim_to_window()
+        return self.o_proj(out.transpose(1, 2).reshape(batch, time, -1))
+
+    def _allowed(self, time, first, key_start, n_keys, cached_padding, mask, device) -> torch.Tensor:
+        """Boolean ``[batch, 1, time, n_keys]``: causal, inside the window, and not a padded key."""
+        q_slots = torch.arange(first, first + time, device=device)
+        k_slots = torch.arange(key_start, key_start + n_keys, device=device)
+        allowed = k_slots <= q_slots[:, None]
+        if self.window is not None:
+            allowed = allowed & (q_slots[:, None] - k_slots < self.window)
+        cached = n_keys - time
+        key_ok = mask if mask is not None else torch.ones(1, time, dtype=torch.bool, device=device)
+        if cached:
+            held = k_slots[:cached] >= cached_padding[:, None]  # [batch, cached]
+            key_ok = torch.cat([held, key_ok.expand(held.shape[0], time)], dim=-1)
+        allowed = allowed & key_ok[:, None, :]
+        allowed = allowed | (k_slots == q_slots[:, None])  # a padded query sees itself: finite, never read
+        return allowed.unsqueeze(1)

@@ -1,0 +1,87 @@
+"""Mamba-1: the selective-scan mixer that Jamba interleaves with attention.
+
+in_proj -> (x, z); x -> causal conv + SiLU -> x_proj -> (dt, B, C) [-> Jamba's RMSNorms on dt, B, C];
+dt -> dt_proj -> softplus; y = selective_scan(x, dt, A, B, C) + D x, gated by SiLU(z); out_proj.
+Weight names follow the common checkpoint layout (in_proj, conv1d, x_proj, dt_proj, A_log, D, out_proj).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..cache import SSMState
+from ..layers.conv import ShortConv
+from ..layers.norms import RMSNorm
+from .base import Mixer, register, zero_padding
+
+
+def inverse_softplus_dt(size: int, dt_min: float, dt_max: float, floor: float) -> torch.Tensor:
+    """Bias whose softplus is log-uniform in ``[dt_min, dt_max]`` (the Mamba time-step initialisation)."""
+    dt = torch.exp(torch.rand(size) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+@register("mamba")
+class Mamba(Mixer):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        self.config = config
+        hidden, inner = config.hidden_size, config.mamba_d_inner
+        self.d_inner, self.d_state, self.dt_rank = inner, config.mamba_d_state, config.mamba_dt_rank
+        self.in_proj = nn.Linear(hidden, 2 * inner, bias=config.mamba_proj_bias)
+        self.conv1d = ShortConv(inner, config.mamba_d_conv, bias=config.mamba_conv_bias)
+        self.x_proj = nn.Linear(inner, self.dt_rank + 2 * self.d_state, bias=False)
+        self.dt_proj = nn.Linear(self.dt_rank, inner, bias=True)
+        self.A_log = nn.Parameter(torch.empty(inner, self.d_state))
+        self.D = nn.Parameter(torch.empty(inner))
+        self.out_proj = nn.Linear(inner, hidden, bias=config.mamba_proj_bias)
+        if config.mamba_dt_norm:  # Jamba normalises dt, B and C before use
+            eps = config.rms_norm_eps
+            self.dt_layernorm = RMSNorm(self.dt_rank, eps)
+            self.b_layernorm = RMSNorm(self.d_state, eps)
+            self.c_layernorm = RMSNorm(self.d_state, eps)
+
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        """Fresh values of the parameters a generic initialiser would get wrong (S4D-real A, unit D, dt)."""
+        c = self.config
+        std = self.dt_rank**-0.5
+        return {
+            "A_log": torch.log(torch.arange(1, self.d_state + 1, dtype=torch.float32)).expand(self.d_inner, -1),
+            "D": torch.ones(self.d_inner),
+            "dt_proj.weight": torch.empty(self.d_inner, self.dt_rank).uniform_(-std, std),
+            "dt_proj.bias": inverse_softplus_dt(self.d_inner, c.mamba_dt_min, c.mamba_dt_max, c.mamba_dt_init_floor),
+        }
+
+    def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> SSMState:
+        return SSMState(
+            conv=self.conv1d.init_window(batch_size, device, dtype),
+            ssm=torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=torch.float32),
+        )
+
+    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None):
+        batch, time, _ = x.shape
+        u, z = self.in_proj(x).chunk(2, dim=-1)
+        u = self.conv1d(zero_padding(u, mask).transpose(1, 2), state.conv if state is not None else None)
+        dt, B, C = self.x_proj(u.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
+        if hasattr(self, "dt_layernorm"):
+            dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
+        dt = zero_padding(F.softplus(self.dt_proj(dt)), mask)  # dt = 0: a padded token leaves the state as is
+        A = -torch.exp(self.A_log.float())
+        z = z.transpose(1, 2)
+        if state is not None and time == 1:
+            y = ops.selective_state_update(
+                state.ssm, u[..., 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D, z=z[..., 0]
+            ).unsqueeze(-1)
+        else:
+            y, final = ops.selective_scan(
+                u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D, z=z,
+                initial_state=state.ssm if state is not None else None,
+            )
+            if state is not None:
+                state.ssm.copy_(final)
+        return self.out_proj(y.transpose(1, 2))

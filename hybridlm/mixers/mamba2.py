@@ -1,0 +1,83 @@
+"""Mamba-2: multi-head SSD with grouped B/C, gated RMSNorm, and the common checkpoint layout.
+
+in_proj -> (z, xBC, dt); xBC -> causal conv + SiLU -> (x, B, C); dt -> softplus(dt + dt_bias), clamped to
+the dt limits; y = SSD(x, dt, A, B, C) + D x; y = RMSNorm(y * SiLU(z)) per group; out_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..cache import SSMState
+from ..layers.conv import ShortConv
+from ..layers.norms import GatedRMSNorm
+from .base import Mixer, register, zero_padding
+from .mamba import inverse_softplus_dt
+
+
+@register("mamba2")
+class Mamba2(Mixer):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        self.config = config
+        hidden, inner = config.hidden_size, config.mamba2_d_inner
+        self.d_inner, self.d_state, self.n_groups = inner, config.mamba2_d_state, config.mamba2_n_groups
+        self.num_heads, self.head_dim = config.mamba2_num_heads, config.mamba2_head_dim
+        self.chunk_size, self.dt_limit = config.mamba2_chunk_size, tuple(config.mamba2_dt_limit)
+        self.conv_dim = inner + 2 * self.n_groups * self.d_state
+        self.in_proj = nn.Linear(hidden, inner + self.conv_dim + self.num_heads, bias=config.mamba2_proj_bias)
+        self.conv1d = ShortConv(self.conv_dim, config.mamba2_d_conv, bias=config.mamba2_conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.norm = GatedRMSNorm(inner, inner // self.n_groups, eps=config.rms_norm_eps)
+        self.out_proj = nn.Linear(inner, hidden, bias=config.mamba2_proj_bias)
+
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        c = self.config
+        return {
+            "A_log": torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)),
+            "D": torch.ones(self.num_heads),
+            "dt_bias": inverse_softplus_dt(self.num_heads, c.mamba2_dt_min, c.mamba2_dt_max, c.mamba2_dt_init_floor),
+        }
+
+    def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> SSMState:
+        return SSMState(
+            conv=self.conv1d.init_window(batch_size, device, dtype),
+            ssm=torch.zeros(batch_size, self.num_heads, self.head_dim, self.d_state, device=device,
+                            dtype=torch.float32),
+        )
+
+    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None):
+        batch, time, _ = x.shape
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
+        xBC = self.conv1d(zero_padding(xBC, mask).transpose(1, 2), state.conv if state is not None else None)
+        group_width = self.n_groups * self.d_state
+        xs, B, C = xBC.transpose(1, 2).split([self.d_inner, group_width, group_width], dim=-1)
+        dt = F.softplus(dt + self.dt_bias)
+        if self.dt_limit != (0.0, float("inf")):
+            dt = dt.clamp(*self.dt_limit)
+        dt = zero_padding(dt, mask)  # dt = 0: a padded token leaves the state as is
+        A = -torch.exp(self.A_log.float())
+        B = B.view(batch, time, self.n_groups, self.d_state)
+        C = C.view(batch, time, self.n_groups, self.d_state)
+        xs = xs.reshape(batch, time, self.num_heads, self.head_dim)
+        if state is not None and time == 1:
+            heads, dim = self.num_heads, self.head_dim
+            y = ops.selective_state_update(
+                state.ssm, xs[:, 0], dt[:, 0, :, None].expand(batch, heads, dim),
+                A[:, None, None].expand(heads, dim, self.d_state), B[:, 0], C[:, 0],
+                D=self.D[:, None].expand(heads, dim),
+            ).unsqueeze(1)
+        else:
+            y, final = ops.ssd_chunk_scan(
+                xs, dt, A, B, C, self.chunk_size, D=self.D,
+                initial_state=state.ssm if state is not None else None,
+            )
+            if state is not None:
+                state.ssm.copy_(final)
+        y = self.norm(y.reshape(batch, time, self.d_inner), z)
+        return self.out_proj(y)

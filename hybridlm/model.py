@@ -1,0 +1,288 @@
+"""Blocks, the hybrid stack and the causal LM head, as transformers ``PreTrainedModel`` classes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.utils import ModelOutput
+
+from .cache import HybridCache
+from .config import HybridConfig
+from .layers.mlp import MLP, MoE
+from .layers.norms import RMSNorm
+from .mixers import MIXERS, Mixer
+
+
+@dataclass
+class HybridModelOutput(ModelOutput):
+    """``last_hidden_state [batch, time, hidden]``; ``cache`` when one was used; ``aux_loss``: the mean MoE
+    load-balancing loss over MoE layers (None without MoE layers)."""
+
+    last_hidden_state: torch.Tensor | None = None
+    cache: HybridCache | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+@dataclass
+class HybridCausalLMOutput(ModelOutput):
+    """``loss`` (with labels: cross-entropy plus ``router_aux_loss_coef * aux_loss``), ``logits``, ``cache``,
+    ``aux_loss``."""
+
+    loss: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    cache: HybridCache | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+class HybridBlock(GradientCheckpointingLayer):
+    """Pre-norm residual block: ``h += mixer(norm(h))``, then ``h += mlp(norm(h))`` unless the MLP is "none"."""
+
+    def __init__(self, config: HybridConfig, layer_idx: int):
+        super().__init__()
+        self.mixer_type, self.mlp_type = config.layer_types[layer_idx], config.mlp_types[layer_idx]
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.mixer = MIXERS[self.mixer_type](config, layer_idx)
+        if self.mlp_type == "dense":
+            self.mlp = MLP(hidden, config.intermediate_size, config.mlp_activation)
+        elif self.mlp_type == "moe":
+            self.mlp = MoE(hidden, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
+                           config.mlp_activation, config.moe_renormalize, config.shared_expert_intermediate_size)
+        if self.mlp_type != "none":
+            self.pre_mlp_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, hidden, state=None, mask=None, positions=None):
+        hidden = hidden + self.mixer(self.input_layernorm(hidden), state, mask=mask, positions=positions)
+        aux = None
+        if self.mlp_type == "dense":
+            hidden = hidden + self.mlp(self.pre_mlp_layernorm(hidden))
+        elif self.mlp_type == "moe":
+            out, aux = self.mlp(self.pre_mlp_layernorm(hidden), mask)
+            hidden = hidden + out
+        return hidden, aux
+
+
+class HybridPreTrainedModel(PreTrainedModel):
+    config_class = HybridConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["HybridBlock"]
+    _is_stateful = True  # SSM states cannot be rolled back: no assisted decoding
+
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, Mixer) and hasattr(module, "initial_values"):
+            for name, value in module.initial_values().items():
+                target = module.get_parameter(name) if name in dict(module.named_parameters()) \
+                    else module.get_buffer(name)
+                init.copy_(target, value.to(target.device, target.dtype))
+
+
+def _check_mask(mask: torch.Tensor, cache: HybridCache | None) -> None:
+    """Padding must be a contiguous run at the start or end of each row; with a cache, only at the start
+    and only before the row's first real token (what keeps every state exact)."""
+    steps = mask[:, 1:].int() - mask[:, :-1].int()
+    starts, stops = (steps == 1).sum(-1), (steps == -1).sum(-1)
+    if cache is None:
+        if bool(((starts + stops > 1) | ((starts == 1) & (stops == 1))).any()):
+            raise ValueError("attention_mask: padding must be at the start or the end of each row, not inside it")
+        return
+    if bool((stops > 0).any()):
+        raise ValueError("attention_mask: with a cache only left padding is supported (a padded position "
+                         "follows a real token)")
+    if bool(((cache.positions > 0) & ~mask.all(-1)).any()):
+        raise ValueError("attention_mask: padding after a row's first real token is not supported with a cache")
+
+
+class HybridModel(HybridPreTrainedModel):
+    """Embedding, the stack of :class:`HybridBlock` s and the final norm."""
+
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self._signatures: dict[torch.dtype, tuple] = {}
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    # --- caches ---------------------------------------------------------------------------------
+
+    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None) -> HybridCache:
+        """An empty cache for ``batch_size`` rows; attention layers preallocate ``max_length`` slots if given."""
+        device = device if device is not None else self.embed_tokens.weight.device
+        dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
+        states = [block.mixer.init_state(batch_size, max_length, device, dtype) for block in self.layers]
+        return HybridCache(states, self.config.layer_types, self._signature(dtype), batch_size, device)
+
+    def _signature(self, dtype: torch.dtype) -> tuple:
+        """What identifies the states this model reads: per layer, its kind and its state's fixed shapes."""
+        if dtype not in self._signatures:
+            probe = [block.mixer.init_state(1, None, "meta", dtype) for block in self.layers]
+            self._signatures[dtype] = tuple((b.mixer_type, s.describe()) for b, s in zip(self.layers, probe))
+        return self._signatures[dtype]
+
+    # --- forward --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: HybridCache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> HybridModelOutput:
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            raise ValueError("HybridModel: output_attentions / output_hidden_states are not supported")
+        hidden = self._embed(input_ids, inputs_embeds)
+        batch, time = hidden.shape[:2]
+        if cache is None and use_cache:
+            cache = self.new_cache(batch)
+        if cache is not None:
+            self._check_cache(cache, batch, hidden.dtype)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                raise ValueError("HybridModel: a cache cannot be used while training with gradient checkpointing")
+        mask = self._current_mask(attention_mask, cache, batch, time)
+        positions = self._positions(position_ids, mask, cache, batch, time, hidden.device)
+
+        aux_losses = []
+        for i, block in enumerate(self.layers):
+            state = cache.states[i] if cache is not None else None
+            hidden, aux = block(hidden, state, mask, positions)
+            if aux is not None:
+                aux_losses.append(aux)
+        if cache is not None:
+            cache.advance(mask, time)
+        aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
+        return HybridModelOutput(last_hidden_state=self.norm(hidden), cache=cache, aux_loss=aux_loss)
+
+    def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("HybridModel: pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"inputs_embeds must be [batch, time, {self.config.hidden_size}], "
+                                 f"got {tuple(inputs_embeds.shape)}")
+            return inputs_embeds
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids (torch.long), got {input_ids.dtype}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
+                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        return self.embed_tokens(input_ids)
+
+    def _check_cache(self, cache, batch: int, dtype: torch.dtype) -> None:
+        if not isinstance(cache, HybridCache):
+            raise TypeError(f"cache must be a hybridlm HybridCache (from model.new_cache), got {type(cache).__name__}")
+        if cache.signature != self._signature(dtype):
+            raise ValueError("cache was built for a different model (its layer kinds or state shapes differ "
+                             f"from this model's {self.config.layer_types})")
+        if cache.batch_size != batch:
+            raise ValueError(f"cache holds {cache.batch_size} rows but the input has batch size {batch}")
+
+    def _current_mask(self, attention_mask, cache, batch: int, time: int) -> torch.Tensor | None:
+        """The padding mask of the new tokens, or None when none is padded. transformers' generate() passes the
+        mask of the whole sequence so far; its last ``time`` columns are the new tokens."""
+        if attention_mask is None:
+            return None
+        seen = cache.seen if cache is not None else 0
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or \
+                attention_mask.shape[1] not in (time, seen + time):
+            raise ValueError(f"attention_mask must be [batch={batch}, {time}] or [batch, {seen + time}] "
+                             f"(cached + new tokens), got {tuple(attention_mask.shape)}")
+        mask = attention_mask[:, -time:].bool()
+        if bool(mask.all()):
+            return None
+        _check_mask(mask, cache)
+        return mask
+
+    def _positions(self, position_ids, mask, cache, batch, time, device) -> torch.Tensor:
+        if position_ids is not None:
+            if position_ids.dim() != 2 or position_ids.shape[1] != time or position_ids.shape[0] not in (1, batch):
+                raise ValueError(
+                    f"position_ids must be [batch, {time}] or [1, {time}], got {tuple(position_ids.shape)}"
+                )
+            positions = position_ids.expand(batch, time)
+        else:
+            start = cache.positions[:, None] if cache is not None else torch.zeros(batch, 1, dtype=torch.long,
+                                                                                    device=device)
+            if mask is None:
+                positions = start + torch.arange(time, device=device)
+            else:
+                positions = start + (mask.long().cumsum(-1) - 1).clamp(min=0)
+        limit = self.config.max_position_embeddings
+        if limit is not None and time and int(positions.max()) >= limit:
+            raise ValueError(f"sequence too long: position {int(positions.max())} reaches "
+                             f"max_position_embeddings={limit}")
+        return positions
+
+
+class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
+    """:class:`HybridModel` plus the LM head; works with ``generate()`` (greedy, sampling, beam search)."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: HybridConfig):
+        super().__init__(config)
+        if "linformer" in config.layer_types and not config.linformer_causal:
+            raise ValueError("HybridForCausalLM needs causal mixers: set linformer_causal=True "
+                             "(the bidirectional Linformer is for HybridModel used as an encoder)")
+        self.model = HybridModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate() must not build a transformers DynamicCache: forward makes a HybridCache
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None) -> HybridCache:
+        return self.model.new_cache(batch_size, max_length, device, dtype)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: HybridCache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> HybridCausalLMOutput:
+        """``use_cache=True`` starts a new cache (returned as ``.cache``); ``cache=...`` continues one."""
+        kwargs.pop("return_dict", None)
+        out = self.model(input_ids, attention_mask, position_ids, cache, use_cache, inputs_embeds, **kwargs)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
+                                   ignore_index=-100)
+            if out.aux_loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * out.aux_loss
+        return HybridCausalLMOutput(loss=loss, logits=logits, cache=out.cache, aux_loss=out.aux_loss)

@@ -1,0 +1,34 @@
+"""Causal linear attention, optionally with a scalar decay per step (gated linear attention).
+
+    S[t] = exp(g[t]) * S[t-1] + v[t] (outer) k[t]          out[t] = S[t] @ q[t]
+
+``q, k [batch, heads, time, features]``, ``v [batch, heads, time, dim]``, ``log_decay [batch, heads, time]``,
+state ``[batch, heads, dim, features]``. There is no normaliser here: a caller that wants one appends a column
+of ones to ``v`` and divides by the last output column, so one state carries numerator and denominator.
+It is the same chunked scan as Mamba-2's SSD, with one key/query group per head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ssd import chunked_decay_scan
+
+
+def causal_linear_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_decay: torch.Tensor | None = None,
+    *,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(out [batch, heads, time, dim], final_state [batch, heads, dim, features] fp32)``."""
+    if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"causal_linear_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    y, final = chunked_decay_scan(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        None if log_decay is None else log_decay.transpose(1, 2), chunk_size, initial_state,
+    )
+    return y.transpose(1, 2).to(v.dtype), final

@@ -1,0 +1,187 @@
+"""Mamba-1 selective scan and its single-token state update (pure PyTorch reference).
+
+Recurrence, per channel ``d`` and state index ``n``::
+
+    h[t] = exp(dt[t] * A[d, n]) * h[t-1] + dt[t] * B[t, n] * u[t]
+    y[t] = sum_n C[t, n] * h[t, n] + D[d] * u[t]          (then y *= silu(z[t]) when z is given)
+
+Layout follows mamba-ssm's ``selective_scan_fn``: ``u, delta, z: [batch, dim, time]``, ``A: [dim, dstate]``,
+``B, C: [batch, dstate, time]`` or grouped ``[batch, groups, dstate, time]``.
+
+The scan is chunked in two levels, so a sequence of ``T`` tokens costs about ``2 * sqrt(T)`` vectorised
+steps instead of ``T``: every chunk of ``L`` tokens is scanned from a zero state (all chunks at once, ``L``
+steps), then the chunk-boundary states are carried across chunks (``T / L`` steps) and added back weighted by
+the cumulative decay inside each chunk. Only products of decays ``<= 1`` are formed, never their inverses, so
+it is as stable as the sequential loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Working tensors are [block, batch, dim, dstate]; about 4 MiB of fp32 each keeps them in the allocator's
+# reuse pool (fresh multi-MiB allocations page-fault on every call and cost more than the arithmetic).
+_BLOCK_ELEMENTS = 1 << 20
+_CHUNK = 16
+
+
+def _grouped(x: torch.Tensor, name: str) -> torch.Tensor:
+    """``[batch, dstate, time]`` or ``[batch, groups, dstate, time]`` -> ``[time, batch, groups, dstate]``."""
+    if x.dim() == 3:
+        x = x.unsqueeze(1)
+    if x.dim() != 4:
+        raise ValueError(f"selective_scan {name} must be [batch, dstate, time] or [batch, groups, dstate, time]")
+    return x.permute(3, 0, 1, 2).contiguous()
+
+
+def _scan_block(u, dt, A, B, C, state, chunk, inplace):
+    """Two-level scan of one time-major block.
+
+    u, dt: [T, b, d]; B, C: [T, b, g, n]; state: [b, d, n] (fp32). Returns y [T, b, d] and the final state.
+    """
+    t, b, d = u.shape
+    g, n = B.shape[2], A.shape[-1]
+    nc = -(-t // chunk)
+    pad = nc * chunk - t
+    if pad:  # dt = 0 on padding: decay 1 and no input, so the carried state is untouched
+        u, dt = F.pad(u, (0, 0, 0, 0, 0, pad)), F.pad(dt, (0, 0, 0, 0, 0, pad))
+        B, C = F.pad(B, (0, 0, 0, 0, 0, 0, 0, pad)), F.pad(C, (0, 0, 0, 0, 0, 0, 0, pad))
+    decay = torch.exp(dt.unsqueeze(-1) * A).view(nc, chunk, b, d, n)
+    drive = ((dt * u).view(-1, b, g, d // g, 1) * B.unsqueeze(3)).view(nc, chunk, b, d, n)
+
+    # 1. every chunk from a zero state, all chunks at once
+    if inplace:
+        for i in range(1, chunk):
+            drive[:, i].addcmul_(decay[:, i], drive[:, i - 1])
+        local, within = drive, torch.cumprod(decay, dim=1, out=decay)
+    else:
+        steps = [drive[:, 0]]
+        for i in range(1, chunk):
+            steps.append(torch.addcmul(drive[:, i], decay[:, i], steps[-1]))
+        local, within = torch.stack(steps, dim=1), torch.cumprod(decay, dim=1)
+
+    # 2. the state entering each chunk, carried chunk to chunk
+    entering = []
+    for c in range(nc):
+        entering.append(state)
+        state = torch.addcmul(local[c, -1], within[c, -1], state)
+    entering = torch.stack(entering).unsqueeze(1)  # [nc, 1, b, d, n]
+
+    # 3. full states, read out by C
+    h = local.addcmul_(within, entering) if inplace else torch.addcmul(local, within, entering)
+    h = h.view(nc * chunk * b * g, d // g, n)
+    y = torch.bmm(h, C.reshape(nc * chunk * b * g, n, 1)).view(nc * chunk, b, d)
+    return y[:t], state
+
+
+def selective_scan_ref(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    *,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selective scan over ``time``; returns ``(y [batch, dim, time], final_state [batch, dim, dstate] fp32)``.
+
+    ``chunk_size`` (default 16) changes only the rounding, not the result.
+    """
+    batch, dim, time = u.shape
+    dstate = A.shape[-1]
+    if A.shape != (dim, dstate) or delta.shape != u.shape:
+        raise ValueError(
+            f"selective_scan: u {tuple(u.shape)}, delta {tuple(delta.shape)} and A {tuple(A.shape)} disagree"
+        )
+    Bt, Ct = _grouped(B, "B").float(), _grouped(C, "C").float()
+    if dim % Bt.shape[2]:
+        raise ValueError(f"selective_scan: {Bt.shape[2]} groups do not divide dim={dim}")
+    dt = delta.float()
+    if delta_bias is not None:
+        dt = dt + delta_bias.float().unsqueeze(-1)
+    if delta_softplus:
+        dt = F.softplus(dt)
+    state = (
+        u.new_zeros(batch, dim, dstate, dtype=torch.float32) if initial_state is None else initial_state.float()
+    )
+    uf, Af = u.float(), A.float()
+    ut, dtt = uf.permute(2, 0, 1).contiguous(), dt.permute(2, 0, 1).contiguous()
+    chunk = chunk_size or _CHUNK
+    block = chunk * max(1, _BLOCK_ELEMENTS // (batch * dim * dstate * chunk))
+    inplace = not (torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (u, delta, A, B, C, delta_bias, initial_state)
+    ))
+    outputs = []
+    for start in range(0, time, block):
+        stop = min(time, start + block)
+        y, state = _scan_block(
+            ut[start:stop], dtt[start:stop], Af, Bt[start:stop], Ct[start:stop], state, min(chunk, stop - start),
+            inplace,
+        )
+        outputs.append(y)
+    y = torch.cat(outputs).permute(1, 2, 0) if outputs else uf.new_zeros(batch, dim, 0)
+    if D is not None:
+        y = y + uf * D.float().unsqueeze(-1)
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y.to(u.dtype), state
+
+
+def selective_state_update_ref(
+    state: torch.Tensor,
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    dt_softplus: bool = False,
+) -> torch.Tensor:
+    """One decode step of the Mamba-1 or Mamba-2 recurrence, updating ``state`` in place.
+
+    Shapes follow mamba-ssm's ``selective_state_update``: ``state [batch, dim, dstate]`` with ``x, dt, z
+    [batch, dim]``, ``A [dim, dstate]``, ``B, C [batch, dstate]``; or with heads: ``state [batch, heads, dim,
+    dstate]``, ``x, dt, z [batch, heads, dim]``, ``A [heads, dim, dstate]``, ``B, C [batch, groups, dstate]``,
+    ``D, dt_bias [heads, dim]``. Returns ``y`` shaped like ``x``.
+    """
+    if B.dim() == 2:
+        B, C = B.unsqueeze(1), C.unsqueeze(1)
+    headless = state.dim() == 3
+    if headless:  # Mamba-1: each group of channels is one "head" sharing B and C
+        batch, dim, dstate = state.shape
+        g = B.shape[1]
+        if dim % g:
+            raise ValueError(f"selective_state_update: {g} groups do not divide dim={dim}")
+        state, x, dt = state.view(batch, g, dim // g, dstate), x.view(batch, g, -1), dt.view(batch, g, -1)
+        A = A.view(g, dim // g, dstate)
+        z = z.view(batch, g, -1) if z is not None else None
+        D = D.view(g, -1) if D is not None else None
+        dt_bias = dt_bias.view(g, -1) if dt_bias is not None else None
+    heads, groups = state.shape[1], B.shape[1]
+    if heads % groups:
+        raise ValueError(f"selective_state_update: {groups} groups do not divide {heads} heads")
+    B = B.float().repeat_interleave(heads // groups, dim=1).unsqueeze(2)  # [b, h, 1, n]
+    C = C.float().repeat_interleave(heads // groups, dim=1).unsqueeze(2)
+    step = dt.float()
+    if dt_bias is not None:
+        step = step + dt_bias.float()
+    if dt_softplus:
+        step = F.softplus(step)
+    xf = x.float()
+    new_state = state.float() * torch.exp(step.unsqueeze(-1) * A.float()) + (step * xf).unsqueeze(-1) * B
+    state.copy_(new_state)
+    y = (new_state * C).sum(-1)
+    if D is not None:
+        y = y + xf * D.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    y = y.to(x.dtype)
+    return y.flatten(1, 2) if headless else y
