@@ -251,6 +251,13 @@ class HybridConfig(PreTrainedConfig):
         if len(self.mamba2_dt_limit) != 2 or not 0.0 <= low < high:
             _fail("mamba2_dt_limit", self.mamba2_dt_limit, "must be [low, high] with 0 <= low < high")
 
+    def validate(self) -> None:
+        """transformers' class validators, minus its check of ``layer_types`` against its own layer names
+        (ours are mixer names, checked in ``__post_init__``)."""
+        for validator in PreTrainedConfig.__class_validators__:
+            if validator.__name__ != "validate_layer_type":
+                validator(self)
+
     # --- derived quantities -----------------------------------------------------------------
 
     @property

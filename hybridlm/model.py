@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -246,6 +247,27 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.model = HybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """hybridlm's own checkpoints, or any format in :mod:`hybridlm.formats` (Jamba, Mamba-2, Bamba, ...)."""
+        from . import formats
+
+        path = Path(pretrained_model_name_or_path)
+        if (path / "config.json").is_file() and formats.read_config(path).get("model_type") != "hybridlm":
+            if args or set(kwargs) - {"dtype", "device_map"}:
+                raise TypeError(f"foreign checkpoints take only dtype= and device_map=, got {sorted(kwargs)}")
+            return formats.load(path, dtype=kwargs.get("dtype"), device=kwargs.get("device_map"))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):
+        """``format="hybridlm"`` (default) writes hybridlm's own checkpoint; another ``model_type`` (e.g.
+        ``"jamba"``) writes a checkpoint that transformers loads as that architecture."""
+        if format == "hybridlm":
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        from . import formats
+
+        return formats.export(self, save_directory, format)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
