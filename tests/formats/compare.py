@@ -1,0 +1,86 @@
+"""Checks shared by every format test: a tiny transformers model against the same weights loaded by hybridlm.
+
+Typical use::
+
+    hf = transformers.JambaForCausalLM(tiny_config).eval()
+    ours = save_and_load(hf, tmp_path)
+    check_all(hf, ours, vocab_size=tiny_config.vocab_size)
+"""
+
+from __future__ import annotations
+
+import torch
+
+import hybridlm
+
+LOGITS_ATOL = 1e-4
+
+
+def save_and_load(hf_model, directory) -> hybridlm.HybridForCausalLM:
+    """``save_pretrained`` with transformers, load with hybridlm (through the public entry point)."""
+    hf_model.save_pretrained(directory)
+    return hybridlm.HybridForCausalLM.from_pretrained(directory).eval()
+
+
+def random_ids(vocab_size: int, batch: int, length: int, seed: int = 0, low: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab_size, (batch, length), generator=generator)
+
+
+@torch.no_grad()
+def check_logits(hf_model, ours, ids: torch.Tensor, atol: float = LOGITS_ATOL) -> float:
+    expected = hf_model(ids).logits.float()
+    got = ours(ids).logits.float()
+    diff = (expected - got).abs().max().item()
+    assert diff <= atol, f"max |logits difference| {diff:.3g} > {atol}"
+    return diff
+
+
+@torch.no_grad()
+def check_greedy(hf_model, ours, prompt: torch.Tensor, new_tokens: int = 16) -> None:
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    expected = hf_model.generate(prompt, **kwargs)
+    got = ours.generate(prompt, **kwargs)
+    assert torch.equal(expected, got), f"greedy tokens differ:\n{expected}\n{got}"
+
+
+@torch.no_grad()
+def check_left_padding(ours, vocab_size: int, lengths=(3, 9, 6), new_tokens: int = 8) -> None:
+    """A left-padded batch generates what each prompt generates alone."""
+    prompts = [random_ids(vocab_size, 1, n, seed=10 + i)[0] for i, n in enumerate(lengths)]
+    width = max(lengths)
+    batch = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for row, prompt in enumerate(prompts):
+        batch[row, width - len(prompt):] = prompt
+        mask[row, width - len(prompt):] = 1
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    together = ours.generate(batch, attention_mask=mask, **kwargs)[:, width:]
+    for row, prompt in enumerate(prompts):
+        alone = ours.generate(prompt[None], **kwargs)[0, len(prompt):]
+        assert torch.equal(together[row], alone), f"row {row}: padded batch {together[row]} vs alone {alone}"
+
+
+@torch.no_grad()
+def check_continuation(ours, ids: torch.Tensor, splits=(5, 1, 4), rel: float = 1e-5) -> None:
+    """Chunked prefill (chunk lengths ``splits``) then token-by-token decode equals one full forward."""
+    full = ours(ids).logits
+    cache = ours.new_cache(ids.shape[0])
+    pieces, start = [], 0
+    for size in list(splits) + [1] * ids.shape[1]:
+        if start >= ids.shape[1]:
+            break
+        pieces.append(ours(ids[:, start:start + size], cache=cache).logits)
+        start += size
+    steps = torch.cat(pieces, dim=1)
+    err = ((steps - full).abs().max() / full.abs().max()).item()
+    assert err <= rel, f"cache continuation differs from the full forward: relative error {err:.3g}"
+
+
+def check_all(hf_model, ours, vocab_size: int, length: int = 13) -> None:
+    """Logits (batch of two, length not a multiple of any chunk size), greedy decoding, padding, continuation."""
+    ids = random_ids(vocab_size, 2, length)
+    check_logits(hf_model, ours, ids)
+    check_greedy(hf_model, ours, ids[:1, :7])
+    check_left_padding(ours, vocab_size)
+    check_continuation(ours, ids)
