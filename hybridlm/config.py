@@ -261,7 +261,17 @@ class HybridConfig(PreTrainedConfig):
     # --- derived quantities -----------------------------------------------------------------
 
     @property
+    def max_length_limit(self) -> int | None:
+        """The most positions the model accepts: ``max_position_embeddings``, and ``linformer_max_length`` when
+        a Linformer layer is present (its projections have one column per position). None: unlimited."""
+        limits = [self.max_position_embeddings] if self.max_position_embeddings is not None else []
+        if "linformer" in self.layer_types:
+            limits.append(self.linformer_max_length)
+        return min(limits) if limits else None
+
+    @property
     def mamba_d_inner(self) -> int:
+
         return self.mamba_expand * self.hidden_size
 
     @property

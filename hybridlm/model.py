@@ -227,10 +227,10 @@ class HybridModel(HybridPreTrainedModel):
                 positions = start + torch.arange(time, device=device)
             else:
                 positions = start + (mask.long().cumsum(-1) - 1).clamp(min=0)
-        limit = self.config.max_position_embeddings
+        limit = self.config.max_length_limit
         if limit is not None and time and int(positions.max()) >= limit:
-            raise ValueError(f"sequence too long: position {int(positions.max())} reaches "
-                             f"max_position_embeddings={limit}")
+            raise ValueError(f"sequence too long: position {int(positions.max())} is beyond this model's limit of "
+                             f"{limit} positions (max_position_embeddings / linformer_max_length)")
         return positions
 
 

@@ -1,0 +1,130 @@
+"""Side-by-side measurements for ``hybridlm bench`` and ``hybridlm demo``: cache bytes and decode speed by
+stack, and the chunked scans against a loop over time. Timings are medians of repeated runs; compare the
+ratios printed in one run, not absolute numbers across machines."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from . import ops
+from .cache import HybridCache, KVState
+from .model import HybridForCausalLM
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def fill_cache(cache: HybridCache, context: int, generator: torch.Generator | None = None) -> None:
+    """Make ``cache`` look as if ``context`` tokens had been seen: random keys/values and states. Decode cost
+    depends on the sizes only, so this times decoding at long contexts without paying for the prefill."""
+    for state in cache.states:
+        for name, tensor in state._tensors().items():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.1)
+        if isinstance(state, KVState):
+            held = context if state.window is None else min(context, state.window - 1)
+            if state.keys.shape[2] < held:
+                state.append(*(torch.randn(*state.keys.shape[:2], held - state.keys.shape[2], state.keys.shape[3],
+                                           dtype=state.keys.dtype) for _ in range(2)))
+            state.length, state.start = held, context - held
+    cache.seen = context
+    cache.positions.fill_(context)
+
+
+@torch.no_grad()
+def decode_ms_per_token(model: HybridForCausalLM, context: int, steps: int = 8, batch: int = 1) -> float:
+    """Median time of one decode step with ``context`` tokens already in the cache."""
+    cache = model.new_cache(batch, max_length=context + steps + 2)
+    fill_cache(cache, context, torch.Generator().manual_seed(0))
+    token = torch.zeros(batch, 1, dtype=torch.long)
+    model(token, cache=cache)  # warm-up
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        model(token, cache=cache)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def cache_bytes(model: HybridForCausalLM, context: int) -> tuple[int, float]:
+    """``(fixed bytes, bytes per token of context)`` of one sequence's cache, read off ``cache.nbytes()``."""
+    empty = model.new_cache(1)
+    filled = model.new_cache(1)
+    fill_cache(filled, context)
+    return empty.nbytes(), (filled.nbytes() - empty.nbytes()) / context
+
+
+def compare_stacks(models: dict[str, HybridForCausalLM], contexts: list[int], steps: int = 8) -> list[dict]:
+    """One row per stack: cache bytes per token and decode ms/token at each context."""
+    rows = []
+    for name, model in tqdm(models.items(), desc="stacks", leave=False):
+        fixed, per_token = cache_bytes(model, max(contexts))
+        row = {"stack": name, "fixed_bytes": fixed, "bytes_per_token": per_token}
+        for context in tqdm(contexts, desc=name, leave=False):
+            row[context] = decode_ms_per_token(model, context, steps)
+        rows.append(row)
+    return rows
+
+
+# --- chunked scans against loops over time -------------------------------------------------------
+
+
+def selective_scan_loop(u, delta, A, B, C):
+    """Mamba-1 scan as one step per token (what transformers runs on CPU)."""
+    decay = torch.exp(delta.unsqueeze(-1) * A.unsqueeze(1))  # [b, d, t, n]
+    drive = (delta * u).unsqueeze(-1) * B.transpose(1, 2).unsqueeze(1)
+    h = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    outputs = []
+    for t in range(u.shape[-1]):
+        h = decay[:, :, t] * h + drive[:, :, t]
+        outputs.append(torch.matmul(h, C[:, :, t].unsqueeze(-1)))
+    return torch.cat(outputs, dim=-1)
+
+
+def ssd_loop(x, dt, A, B, C):
+    """Mamba-2 recurrence as one step per token."""
+    decay = torch.exp(dt * A)  # [b, t, h]
+    heads_per_group = x.shape[2] // B.shape[2]
+    B, C = B.repeat_interleave(heads_per_group, 2), C.repeat_interleave(heads_per_group, 2)
+    state = x.new_zeros(x.shape[0], x.shape[2], x.shape[3], B.shape[-1])
+    outputs = []
+    for t in range(x.shape[1]):
+        state = decay[:, t, :, None, None] * state + (dt[:, t, :, None] * x[:, t]).unsqueeze(-1) * B[:, t, :, None]
+        outputs.append(torch.matmul(state, C[:, t, :, :, None]).squeeze(-1))
+    return torch.stack(outputs, dim=1)
+
+
+@torch.no_grad()
+def scan_speedups(length: int = 2048, repeats: int = 3) -> list[dict]:
+    """Chunked reference scans vs loops over time at ``length`` (Jamba- and Mamba-2-like widths)."""
+    g = torch.Generator().manual_seed(0)
+    b, d, n = 1, 512, 16
+    u, delta = torch.randn(b, d, length, generator=g), torch.rand(b, d, length, generator=g) * 0.1
+    A, B, C = -torch.rand(d, n, generator=g), torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g)
+    h, p, gs, ns, chunk = 8, 64, 1, 64, 256
+    x, dt = torch.randn(b, length, h, p, generator=g), torch.rand(b, length, h, generator=g) * 0.1
+    A2, B2, C2 = -torch.rand(h, generator=g), torch.randn(b, length, gs, ns, generator=g), \
+        torch.randn(b, length, gs, ns, generator=g)
+    rows = []
+    for name, chunked, loop in [
+        ("selective_scan (Mamba-1)", lambda: ops.selective_scan(u, delta, A, B, C), lambda: selective_scan_loop(
+            u, delta, A, B, C)),
+        ("ssd_chunk_scan (Mamba-2)", lambda: ops.ssd_chunk_scan(x, dt, A2, B2, C2, chunk), lambda: ssd_loop(
+            x, dt, A2, B2, C2)),
+    ]:
+        fast, slow = median_ms(chunked, repeats), median_ms(loop, repeats)
+        rows.append({"op": name, "length": length, "chunked_ms": fast, "loop_ms": slow, "speedup": slow / fast})
+    return rows

@@ -1,0 +1,153 @@
+"""The incremental decoder: chunked prefill, then one token at a time from the cache alone.
+
+Prefill feeds the prompt in chunks of ``prefill_chunk_size`` tokens, so peak activation memory is bounded
+by the chunk, not the prompt (the cache holds the rest). Decode feeds one token per step and reads nothing
+but the cache. Prompts of different lengths are left-padded into one batch; rows that hit a stop token are
+dropped from the cache (``HybridCache.select``), so finished rows cost nothing.
+
+>>> decoder = IncrementalDecoder(model, prefill_chunk_size=256)
+>>> for tokens in decoder.stream([[1, 2, 3], [4, 5]], max_new_tokens=8):  # one tensor per step
+...     print(tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import HybridCache
+
+
+@dataclass
+class SamplingSettings:
+    """Greedy when ``do_sample`` is False (or temperature is 0); otherwise temperature, then top-k, then
+    top-p (nucleus) filtering. ``stop_tokens`` end a row; its later slots hold ``pad_token_id``."""
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    stop_tokens: Sequence[int] = field(default_factory=tuple)
+    pad_token_id: int = 0
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 0")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k} must be None or >= 1")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be None or in (0, 1]")
+
+
+def choose_next(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token per row from ``logits [batch, vocab]``."""
+    if not settings.do_sample or settings.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / settings.temperature
+    if settings.top_k is not None:
+        kth = logits.topk(min(settings.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -torch.inf)
+    if settings.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
+        drop = probs.cumsum(-1) - probs >= settings.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]] | torch.Tensor, pad_token_id: int = 0):
+    """``(ids [batch, longest], mask [batch, longest])`` with every prompt right-aligned."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise ValueError(f"prompts must be [batch, time] or a list of token lists, got shape {tuple(prompts.shape)}")
+        return prompts, torch.ones_like(prompts, dtype=torch.bool)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt):] = True
+    return ids, mask
+
+
+class IncrementalDecoder:
+    """Generates from a :class:`~hybridlm.HybridForCausalLM` with chunked prefill and cached decode."""
+
+    def __init__(self, model, prefill_chunk_size: int = 512):
+        if prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be >= 1")
+        self.model = model
+        self.prefill_chunk_size = prefill_chunk_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: HybridCache | None = None, reserve: int = 0) -> tuple[HybridCache, torch.Tensor]:
+        """Run the prompt through the model chunk by chunk; returns the cache and the last position's logits.
+
+        ``reserve`` extra slots are preallocated in attention layers for the tokens to come."""
+        ids = ids.to(self.device)
+        mask = mask.to(self.device) if mask is not None else None
+        if cache is None:
+            cache = self.model.new_cache(ids.shape[0], max_length=ids.shape[1] + reserve)
+        logits = None
+        for start in range(0, ids.shape[1], self.prefill_chunk_size):
+            stop = start + self.prefill_chunk_size
+            chunk_mask = mask[:, start:stop] if mask is not None else None
+            logits = self.model(ids[:, start:stop], attention_mask=chunk_mask, cache=cache, logits_to_keep=1).logits
+        if logits is None:
+            raise ValueError("prefill needs at least one prompt token")
+        return cache, logits[:, -1]
+
+    @torch.no_grad()
+    def stream(self, prompts, **settings) -> Iterator[torch.Tensor]:
+        """Yield the next token of every row, step by step (``[batch]``; finished rows yield ``pad_token_id``).
+
+        ``prompts``: a ``[batch, time]`` tensor (no padding) or a list of token-id lists of any lengths."""
+        settings = SamplingSettings(**settings)
+        ids, mask = left_pad(prompts, settings.pad_token_id)
+        self._check_length(ids.shape[1] + settings.max_new_tokens)
+        generator = None
+        if settings.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        cache, logits = self.prefill(ids, None if bool(mask.all()) else mask, reserve=settings.max_new_tokens)
+        stops = torch.tensor(list(settings.stop_tokens), dtype=torch.long, device=self.device)
+        active = torch.arange(ids.shape[0], device=self.device)  # rows still generating, in cache order
+        for _ in range(settings.max_new_tokens):
+            chosen = choose_next(logits, settings, generator)
+            step = torch.full((ids.shape[0],), settings.pad_token_id, dtype=torch.long, device=self.device)
+            step[active] = chosen
+            yield step
+            running = ~torch.isin(chosen, stops)
+            if not bool(running.all()):
+                if not bool(running.any()):
+                    return
+                keep = running.nonzero().squeeze(-1)
+                cache, active, chosen = cache.select(keep), active[keep], chosen[keep]
+            logits = self.model(chosen[:, None], cache=cache).logits[:, -1]
+
+    def generate(self, prompts, **settings) -> torch.Tensor:
+        """``[batch, prompt + new]``: the (left-padded) prompts followed by the generated tokens."""
+        pad = settings.get("pad_token_id", 0)
+        ids, _ = left_pad(prompts, pad)
+        steps = list(self.stream(prompts, **settings))
+        new = torch.stack(steps, dim=1) if steps else ids.new_zeros(ids.shape[0], 0)
+        return torch.cat([ids.to(new.device), new], dim=1)
+
+    def _check_length(self, total: int) -> None:
+        limit = self.model.config.max_length_limit
+        if limit is not None and total > limit:
+            raise ValueError(f"prompt plus max_new_tokens is {total} tokens, more than this model's limit of "
+                             f"{limit} (max_position_embeddings / linformer_max_length)")

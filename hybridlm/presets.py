@@ -1,0 +1,29 @@
+"""Named model shapes for the CLI, the demo and the benchmarks (random weights; no download)."""
+
+from __future__ import annotations
+
+from .config import HybridConfig
+
+_SMALL = dict(
+    vocab_size=4096, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
+    mamba_d_state=16, mamba2_d_state=64, mamba2_head_dim=32, mamba2_chunk_size=64, performer_num_features=64,
+    linformer_rank=64, linformer_max_length=16384,
+)
+
+PRESETS: dict[str, dict] = {
+    # Jamba's stack: one attention layer in eight, MoE in every other layer.
+    "jamba-small": dict(_SMALL, layer_pattern="MMMMAMMM", expert_layer_period=2, expert_layer_offset=1,
+                        num_experts=4, num_experts_per_tok=2),
+    "attention-small": dict(_SMALL, layer_pattern="AAAAAAAA"),
+    "mamba-small": dict(_SMALL, layer_pattern="MMMMMMMM"),
+    "mamba2-small": dict(_SMALL, layer_pattern="SSSSSSSS"),
+    "hybrid2-small": dict(_SMALL, layer_pattern="SSSSASSS"),
+    "performer-small": dict(_SMALL, layer_pattern="PPPPAPPP"),
+    "linformer-small": dict(_SMALL, layer_pattern="LLLLALLL"),
+}
+
+
+def preset(name: str, **overrides) -> HybridConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
+    return HybridConfig(**{**PRESETS[name], **overrides})
