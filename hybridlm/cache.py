@@ -160,10 +160,13 @@ class LinearAttentionState(LayerState):
 
 @dataclasses.dataclass
 class CompressedKVState(LayerState):
-    """Causal Linformer: the compressed ``keys, values [batch, heads, rank, head_dim]`` (fp32)."""
+    """Causal Linformer: the compressed ``keys, values [batch, heads, rank, head_dim]`` (fp32), and the number
+    of token slots seen (the default position of the next token)."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    seen: int = 0
+
 
 
 class HybridCache:

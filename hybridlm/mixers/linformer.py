@@ -52,9 +52,8 @@ class Linformer(Mixer):
     def forward(self, x, state: CompressedKVState | None = None, *, mask=None, positions=None):
         batch, time, _ = x.shape
         if positions is None:
-            if state is not None:
-                raise ValueError("Linformer: pass positions when continuing from a state")
-            positions = torch.arange(time, device=x.device).expand(batch, time)
+            first = state.seen if state is not None else 0
+            positions = torch.arange(first, first + time, device=x.device).expand(batch, time)
         if int(positions.max()) >= self.max_length:
             raise ValueError(f"Linformer: position {int(positions.max())} >= linformer_max_length={self.max_length}")
         q, k, v = (proj(x).view(batch, time, self.num_heads, -1).transpose(1, 2)
@@ -69,6 +68,7 @@ class Linformer(Mixer):
             if state is not None:
                 state.keys.copy_(keys)
                 state.values.copy_(values)
+                state.seen += time
         else:
             if state is not None:
                 raise ValueError("a bidirectional Linformer (linformer_causal=False) cannot continue from a state")

@@ -1,0 +1,38 @@
+"""Small builders and comparisons shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlm import HybridConfig, HybridForCausalLM
+
+TINY = dict(
+    vocab_size=61, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+    mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba2_d_state=8, mamba2_head_dim=16, mamba2_n_groups=2,
+    mamba2_chunk_size=8, performer_num_features=12, linformer_rank=6, linformer_max_length=256, num_experts=4,
+    num_experts_per_tok=2, shared_expert_intermediate_size=16,
+)
+
+
+def tiny_config(**overrides) -> HybridConfig:
+    return HybridConfig(**{**TINY, **overrides})
+
+
+def tiny_model(seed: int = 0, **overrides) -> HybridForCausalLM:
+    torch.manual_seed(seed)
+    return HybridForCausalLM(tiny_config(**overrides)).eval()
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max |got - expected| / max |expected|``: the error relative to the scale of the result."""
+    return ((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
+
+
+def assert_close_rel(got: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
+    assert got.shape == expected.shape, f"shapes differ: {tuple(got.shape)} vs {tuple(expected.shape)}"
+    err = relative_error(got, expected)
+    assert err <= rel, f"relative error {err:.3g} > {rel}"
+
+
+def random_ids(batch: int, length: int, vocab: int = TINY["vocab_size"], seed: int = 0, low: int = 1) -> torch.Tensor:
+    return torch.randint(low, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))

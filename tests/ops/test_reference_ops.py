@@ -1,0 +1,229 @@
+"""Each pure-PyTorch reference op against the literal recurrence, written out here one step at a time."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridlm.ops.attention import attention_ref
+from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
+from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
+from hybridlm.ops.linear_attention import causal_linear_attention_ref
+from hybridlm.ops.selective_scan import selective_scan_ref, selective_state_update_ref
+from hybridlm.ops.ssd import segment_sum, ssd_chunk_scan_ref
+from tests.helpers import assert_close_rel
+
+# --- the literal recurrences ------------------------------------------------------------------------
+
+
+def naive_selective_scan(u, delta, A, B, C, D, z, h0):
+    """h = exp(dt A) h + dt B u;  y = C.h + D u;  y *= silu(z). B, C: [b, g, n, t]; D, z may be None."""
+    b, d, t = u.shape
+    rep = d // B.shape[1]
+    h, ys = h0.clone(), []
+    for i in range(t):
+        Bi, Ci = B[..., i].repeat_interleave(rep, 1), C[..., i].repeat_interleave(rep, 1)  # [b, d, n]
+        h = torch.exp(delta[..., i, None] * A) * h + (delta[..., i] * u[..., i])[..., None] * Bi
+        ys.append((h * Ci).sum(-1) + (D * u[..., i] if D is not None else 0))
+    y = torch.stack(ys, -1)
+    return (y * F.silu(z) if z is not None else y), h
+
+
+def naive_ssd(x, dt, A, B, C, D, s0):
+    """S = exp(dt A) S + dt x (outer) B;  y = S C + D x. Per head; B, C per group."""
+    b, t, h, p = x.shape
+    rep = h // B.shape[2]
+    S, ys = s0.clone(), []
+    for i in range(t):
+        Bi, Ci = B[:, i].repeat_interleave(rep, 1), C[:, i].repeat_interleave(rep, 1)  # [b, h, n]
+        S = torch.exp(dt[:, i, :, None, None] * A[:, None, None]) * S \
+            + (dt[:, i, :, None] * x[:, i])[..., None] * Bi[:, :, None, :]
+        ys.append((S * Ci[:, :, None, :]).sum(-1) + D[:, None] * x[:, i])
+    return torch.stack(ys, 1), S
+
+
+# --- selective scan (Mamba-1) -------------------------------------------------------------------------
+
+
+@given(
+    batch=st.integers(1, 2), groups=st.sampled_from([1, 2]), dstate=st.integers(1, 5), length=st.integers(1, 45),
+    chunk=st.sampled_from([None, 1, 4, 7]), seed=st.integers(0, 2**16),
+)
+def test_selective_scan_matches_recurrence(batch, groups, dstate, length, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    dim = 4 * groups
+    u, delta, z = (torch.randn(batch, dim, length, generator=g) for _ in range(3))
+    A = -torch.rand(dim, dstate, generator=g) * 3
+    B, C = (torch.randn(batch, groups, dstate, length, generator=g) for _ in range(2))
+    D, bias = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    h0 = torch.randn(batch, dim, dstate, generator=g)
+    y, h = selective_scan_ref(u, delta, A, B, C, D, z, delta_bias=bias, delta_softplus=True, initial_state=h0,
+                              chunk_size=chunk)
+    y_naive, h_naive = naive_selective_scan(u, F.softplus(delta + bias[:, None]), A, B, C, D, z, h0)
+    assert_close_rel(y, y_naive)
+    assert_close_rel(h, h_naive)
+
+
+def test_selective_scan_ungrouped_layout_and_gradients():
+    """``B [batch, dstate, time]`` equals one group; the gradients equal those of the recurrence."""
+    g = torch.Generator().manual_seed(1)
+    u, delta = torch.randn(2, 6, 19, generator=g), torch.rand(2, 6, 19, generator=g)
+    A, B, C = -torch.rand(6, 3, generator=g), torch.randn(2, 3, 19, generator=g), torch.randn(2, 3, 19, generator=g)
+    h0 = torch.randn(2, 6, 3, generator=g)
+    inputs = [t.clone().requires_grad_() for t in (u, delta, A, B, C, h0)]
+    y, h = selective_scan_ref(*inputs[:5], initial_state=inputs[5], chunk_size=4)
+    (y.square().sum() + h.sum()).backward()
+    twins = [t.clone().requires_grad_() for t in (u, delta, A, B, C, h0)]
+    y2, h2 = naive_selective_scan(*twins[:3], twins[3][:, None], twins[4][:, None], None, None, twins[5])
+    (y2.square().sum() + h2.sum()).backward()
+    assert_close_rel(y, y2)
+    for got, expected in zip(inputs, twins):
+        assert_close_rel(got.grad, expected.grad, rel=1e-4)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_selective_state_update_mamba1_layout(groups):
+    g = torch.Generator().manual_seed(2)
+    dim, n, steps = 4 * groups, 3, 9
+    u, delta, z = (torch.randn(2, dim, steps, generator=g) for _ in range(3))
+    A, D = -torch.rand(dim, n, generator=g), torch.randn(dim, generator=g)
+    B, C = (torch.randn(2, groups, n, steps, generator=g) for _ in range(2))
+    bias, h0 = torch.randn(dim, generator=g), torch.randn(2, dim, n, generator=g)
+    state, ys = h0.clone(), []
+    for i in range(steps):
+        ys.append(selective_state_update_ref(state, u[..., i], delta[..., i], A, B[..., i], C[..., i], D, z[..., i],
+                                             dt_bias=bias, dt_softplus=True))
+    y_naive, h_naive = naive_selective_scan(u, F.softplus(delta + bias[:, None]), A, B, C, D, z, h0)
+    assert_close_rel(torch.stack(ys, -1), y_naive)
+    assert_close_rel(state, h_naive)
+
+
+def test_selective_state_update_mamba2_layout():
+    g = torch.Generator().manual_seed(3)
+    b, t, h, p, groups, n = 2, 7, 4, 3, 2, 5
+    x, dt = torch.randn(b, t, h, p, generator=g), torch.rand(b, t, h, generator=g)
+    A, D = -torch.rand(h, generator=g), torch.randn(h, generator=g)
+    B, C = (torch.randn(b, t, groups, n, generator=g) for _ in range(2))
+    s0 = torch.randn(b, h, p, n, generator=g)
+    state, ys = s0.clone(), []
+    for i in range(t):
+        ys.append(selective_state_update_ref(state, x[:, i], dt[:, i, :, None].expand(b, h, p),
+                                             A[:, None, None].expand(h, p, n), B[:, i], C[:, i],
+                                             D=D[:, None].expand(h, p)))
+    y_naive, s_naive = naive_ssd(x, dt, A, B, C, D, s0)
+    assert_close_rel(torch.stack(ys, 1), y_naive)
+    assert_close_rel(state, s_naive)
+
+
+# --- SSD (Mamba-2) ------------------------------------------------------------------------------------
+
+
+@given(
+    batch=st.integers(1, 2), groups=st.sampled_from([1, 2]), heads_per_group=st.integers(1, 3),
+    head_dim=st.integers(1, 4), dstate=st.integers(1, 5), length=st.integers(1, 40), chunk=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_ssd_matches_recurrence(batch, groups, heads_per_group, head_dim, dstate, length, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    heads = groups * heads_per_group
+    x, dt = torch.randn(batch, length, heads, head_dim, generator=g), torch.rand(batch, length, heads, generator=g)
+    A, D = -torch.rand(heads, generator=g) * 2, torch.randn(heads, generator=g)
+    B, C = (torch.randn(batch, length, groups, dstate, generator=g) for _ in range(2))
+    s0 = torch.randn(batch, heads, head_dim, dstate, generator=g)
+    y, s = ssd_chunk_scan_ref(x, dt, A, B, C, chunk, D, initial_state=s0)
+    y_naive, s_naive = naive_ssd(x, dt, A, B, C, D, s0)
+    assert_close_rel(y, y_naive)
+    assert_close_rel(s, s_naive)
+
+
+def test_segment_sum():
+    x = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    out = segment_sum(x)
+    for i in range(4):
+        for j in range(4):
+            expected = x[j + 1:i + 1].sum() if j <= i else -torch.inf
+            assert out[i, j] == expected
+
+
+# --- causal conv1d ------------------------------------------------------------------------------------
+
+
+@given(width=st.integers(1, 5), length=st.integers(1, 12), activation=st.sampled_from([None, "silu"]),
+       seed=st.integers(0, 2**16))
+def test_causal_conv1d_matches_definition(width, length, activation, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, w, bias = torch.randn(2, 3, length, generator=g), torch.randn(3, width, generator=g), torch.randn(3, generator=g)
+    history = torch.randn(2, 3, width - 1, generator=g)
+    y, final = causal_conv1d_ref(x, w, bias, initial_state=history, activation=activation)
+    full = torch.cat([history, x], -1)
+    expected = torch.stack([(full[..., t:t + width] * w).sum(-1) + bias for t in range(length)], -1)
+    if activation == "silu":
+        expected = F.silu(expected)
+    assert_close_rel(y, expected)
+    assert torch.equal(final, full[..., full.shape[-1] - (width - 1):])
+    window, steps = history.clone(), []
+    for t in range(length):
+        steps.append(causal_conv1d_update_ref(x[..., t], window, w, bias, activation=activation))
+    assert_close_rel(torch.stack(steps, -1), expected)
+    assert torch.equal(window, final)
+
+
+def test_causal_conv1d_rejects_bad_weight():
+    with pytest.raises(ValueError, match="weight"):
+        causal_conv1d_ref(torch.randn(1, 3, 5), torch.randn(4, 2))
+    with pytest.raises(ValueError, match="activation"):
+        causal_conv1d_ref(torch.randn(1, 3, 5), torch.randn(3, 2), activation="relu")
+
+
+# --- linear and compressed attention ------------------------------------------------------------------
+
+
+@given(length=st.integers(1, 30), chunk=st.sampled_from([1, 5, 64]), decay=st.booleans(), seed=st.integers(0, 2**16))
+def test_causal_linear_attention_matches_recurrence(length, chunk, decay, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(2, 3, length, 4, generator=g) for _ in range(2))
+    v, s0 = torch.randn(2, 3, length, 5, generator=g), torch.randn(2, 3, 5, 4, generator=g)
+    log_decay = -torch.rand(2, 3, length, generator=g) if decay else None
+    out, final = causal_linear_attention_ref(q, k, v, log_decay, initial_state=s0, chunk_size=chunk)
+    S, outs = s0.clone(), []
+    for t in range(length):
+        if decay:
+            S = S * torch.exp(log_decay[:, :, t, None, None])
+        S = S + v[:, :, t, :, None] * k[:, :, t, None, :]
+        outs.append((S * q[:, :, t, None, :]).sum(-1))
+    assert_close_rel(out, torch.stack(outs, 2))
+    assert_close_rel(final, S)
+
+
+@given(length=st.integers(1, 30), chunk=st.sampled_from([1, 6, 64]), seed=st.integers(0, 2**16))
+def test_causal_compressed_attention_matches_recurrence(length, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 3, length, 4, generator=g) for _ in range(3))
+    e, f = (torch.randn(2, length, 5, generator=g) for _ in range(2))
+    keys0, values0 = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(2))
+    out, (keys, values) = causal_compressed_attention_ref(q, k, v, e, f, scale=0.5, initial_state=(keys0, values0),
+                                                          chunk_size=chunk)
+    K, V, outs = keys0.clone(), values0.clone(), []
+    for t in range(length):
+        K = K + e[:, None, t, :, None] * k[:, :, t, None, :]
+        V = V + f[:, None, t, :, None] * v[:, :, t, None, :]
+        weights = torch.softmax((K * q[:, :, t, None, :]).sum(-1) * 0.5, -1)
+        outs.append((weights[..., None] * V).sum(-2))
+    assert_close_rel(out, torch.stack(outs, 2))
+    assert_close_rel(keys, K)
+    assert_close_rel(values, V)
+
+
+def test_attention_ref_gqa_and_mask_match_softmax():
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 5, 8, generator=g)
+    k, v = torch.randn(2, 2, 7, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g)
+    mask = torch.rand(2, 1, 5, 7, generator=g) > 0.3
+    mask[..., 0] = True
+    out = attention_ref(q, k, v, mask=mask)
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ kk.transpose(-1, -2) / 8**0.5).masked_fill(~mask, -torch.inf)
+    assert_close_rel(out, scores.softmax(-1) @ vv)
+    with pytest.raises(ValueError, match="heads"):
+        attention_ref(torch.randn(1, 3, 2, 4), torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
