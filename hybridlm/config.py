@@ -80,6 +80,8 @@ class HybridConfig(PreTrainedConfig):
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     mamba_dt_norm: bool = False
+    mamba_dt_norm_learnable: bool = True  # False: the dt/B/C norms have no weight (Falcon-Mamba)
+    mamba_dt_norm_eps: float | None = None  # eps of the dt/B/C norms; None: rms_norm_eps
     mamba_dt_min: float = 0.001
     mamba_dt_max: float = 0.1
     mamba_dt_init_floor: float = 1e-4
@@ -208,6 +210,8 @@ class HybridConfig(PreTrainedConfig):
         if self.mamba2_dt_limit is None:
             self.mamba2_dt_limit = [0.0, float("inf")]
         self.mamba2_dt_limit = [float(v) for v in self.mamba2_dt_limit]
+        if self.mamba_dt_norm_eps is None:
+            self.mamba_dt_norm_eps = self.rms_norm_eps
 
     def _check(self) -> None:
         positive = [
@@ -236,6 +240,10 @@ class HybridConfig(PreTrainedConfig):
             _fail("partial_rotary_factor", self.partial_rotary_factor, "head_dim * factor must be even")
         if self.ssm_layer_type not in MIXER_TYPES:
             _fail("ssm_layer_type", self.ssm_layer_type, f"allowed mixers are {MIXER_TYPES}")
+        for name in ("rms_norm_eps", "mamba_dt_norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
+                _fail(name, value, "must be a number in (0, 1)")
         if self.mlp_activation not in MLP_ACTIVATIONS:
             _fail("mlp_activation", self.mlp_activation, f"allowed activations are {MLP_ACTIVATIONS}")
         if self.num_experts_per_tok > self.num_experts:

@@ -72,15 +72,18 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
         writable = sorted(name for name, f in FORMATS.items() if f.from_config is not None)
         raise ValueError(f"cannot export to model_type={model_type!r}; hybridlm writes "
                          f"{', '.join(['hybridlm'] + writable)}")
+    foreign_config = fmt.from_config(model.config)  # raises, before anything is written, if the model does not fit
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    foreign_config = fmt.from_config(model.config)
-    state = fmt.export_weights({k: v.detach().contiguous() for k, v in model.state_dict().items()}, model.config)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # transformers omits the tied head (and safetensors refuses shared tensors)
+        state.pop("lm_head.weight", None)
+    state = fmt.export_weights(state, model.config)
     (out / "config.json").write_text(json.dumps(foreign_config, indent=2, sort_keys=True))
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
 
 
 # Format modules register themselves on import; add new ones here.
-# from . import jamba  (example)
+from . import bamba, jamba, mamba, mamba2, mamba_ssm  # noqa: E402, F401
 
 __all__ = ["FORMATS", "CheckpointFormat", "detect", "export", "load", "register", "supported"]

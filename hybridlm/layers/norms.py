@@ -8,18 +8,20 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """``weight * x / rms(x)``, computed in fp32 and cast back (as Llama, Mamba and Jamba do)."""
+    """``weight * x / rms(x)``, computed in fp32 and cast back (as Llama, Mamba and Jamba do).
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    ``learnable=False`` drops the weight (Falcon-Mamba's norms on dt, B and C): ``x / rms(x)``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, learnable: bool = True):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if learnable else None
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return x.to(dtype) if self.weight is None else self.weight * x.to(dtype)
 
 
 class GatedRMSNorm(nn.Module):

@@ -40,11 +40,11 @@ class Mamba(Mixer):
         self.A_log = nn.Parameter(torch.empty(inner, self.d_state))
         self.D = nn.Parameter(torch.empty(inner))
         self.out_proj = nn.Linear(inner, hidden, bias=config.mamba_proj_bias)
-        if config.mamba_dt_norm:  # Jamba normalises dt, B and C before use
-            eps = config.rms_norm_eps
-            self.dt_layernorm = RMSNorm(self.dt_rank, eps)
-            self.b_layernorm = RMSNorm(self.d_state, eps)
-            self.c_layernorm = RMSNorm(self.d_state, eps)
+        if config.mamba_dt_norm:  # Jamba (and, without weights, Falcon-Mamba) normalises dt, B and C before use
+            eps, learnable = config.mamba_dt_norm_eps, config.mamba_dt_norm_learnable
+            self.dt_layernorm = RMSNorm(self.dt_rank, eps, learnable)
+            self.b_layernorm = RMSNorm(self.d_state, eps, learnable)
+            self.c_layernorm = RMSNorm(self.d_state, eps, learnable)
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Fresh values of the parameters a generic initialiser would get wrong (S4D-real A, unit D, dt)."""

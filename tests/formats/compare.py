@@ -22,6 +22,16 @@ def save_and_load(hf_model, directory) -> hybridlm.HybridForCausalLM:
     return hybridlm.HybridForCausalLM.from_pretrained(directory).eval()
 
 
+@torch.no_grad()
+def randomize(model, seed: int = 0, scale: float = 0.1):
+    """Add N(0, scale²) noise to every parameter in place, so that none keeps a constant initial value (norm
+    weights of one, dt biases of one, ...) that would hide a mapping error. Returns ``model``."""
+    generator = torch.Generator().manual_seed(seed)
+    for parameter in model.parameters():
+        parameter.add_(torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype) * scale)
+    return model
+
+
 def random_ids(vocab_size: int, batch: int, length: int, seed: int = 0, low: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab_size, (batch, length), generator=generator)

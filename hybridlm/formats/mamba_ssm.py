@@ -1,0 +1,149 @@
+"""mamba-ssm's own checkpoints (``MambaLMHeadModel``): ``config.json`` with ``d_model``, ``n_layer``, ``ssm_cfg``,
+``attn_layer_idx``, ``attn_cfg`` and no ``model_type``; weights in ``pytorch_model.bin``. Read only.
+
+Layout: ``backbone.embedding``, ``backbone.layers.{i}.norm`` / ``.mixer`` (Mamba-1, Mamba-2, or attention with a
+fused ``in_proj`` = q | k | v and ``out_proj``) / ``.norm2`` / ``.mlp.fc1`` (= up | gate) / ``.mlp.fc2``,
+``backbone.norm_f``, ``lm_head``. The vocabulary is padded up to ``pad_vocab_size_multiple``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import HybridConfig
+from . import register
+from .base import CheckpointFormat, FieldMap, RenameRules, StateDict, rename_state, require_settings
+
+# MambaConfig's defaults, and those of the mixer classes ssm_cfg and attn_cfg configure.
+MODEL_DEFAULTS = {"d_intermediate": 0, "ssm_cfg": {}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
+                  "pad_vocab_size_multiple": 8, "tie_embeddings": True}
+SSM_DEFAULTS = {
+    "Mamba1": {"d_state": 16, "d_conv": 4, "expand": 2, "dt_rank": "auto", "dt_min": 0.001, "dt_max": 0.1,
+               "dt_init": "random", "dt_scale": 1.0, "dt_init_floor": 1e-4, "conv_bias": True, "bias": False,
+               "use_fast_path": True},
+    "Mamba2": {"d_state": 128, "d_conv": 4, "conv_init": None, "expand": 2, "headdim": 64, "d_ssm": None,
+               "ngroups": 1, "A_init_range": [1, 16], "D_has_hdim": False, "rmsnorm": True,
+               "norm_before_gate": False, "dt_min": 0.001, "dt_max": 0.1, "dt_init_floor": 1e-4,
+               "dt_limit": [0.0, float("inf")], "bias": False, "conv_bias": True, "chunk_size": 256,
+               "use_mem_eff_path": True},
+}
+ATTN_DEFAULTS = {"num_heads_kv": None, "head_dim": None, "mlp_dim": 0, "qkv_proj_bias": True, "out_proj_bias": True,
+                 "softmax_scale": None, "causal": False, "d_conv": 0, "rotary_emb_dim": 0,
+                 "rotary_emb_base": 10000.0, "rotary_emb_interleaved": False}
+NORM_EPS = 1e-5  # MambaLMHeadModel's block norms and Mamba-2's gated norm
+
+SSM_FIELDS = {
+    "Mamba1": FieldMap({"d_state": "mamba_d_state", "d_conv": "mamba_d_conv", "expand": "mamba_expand",
+                        "dt_rank": "mamba_dt_rank", "dt_min": "mamba_dt_min", "dt_max": "mamba_dt_max",
+                        "dt_init_floor": "mamba_dt_init_floor", "conv_bias": "mamba_conv_bias",
+                        "bias": "mamba_proj_bias"}),
+    "Mamba2": FieldMap({"d_state": "mamba2_d_state", "d_conv": "mamba2_d_conv", "expand": "mamba2_expand",
+                        "headdim": "mamba2_head_dim", "ngroups": "mamba2_n_groups", "chunk_size": "mamba2_chunk_size",
+                        "dt_min": "mamba2_dt_min", "dt_max": "mamba2_dt_max", "dt_init_floor": "mamba2_dt_init_floor",
+                        "dt_limit": "mamba2_dt_limit", "conv_bias": "mamba2_conv_bias", "bias": "mamba2_proj_bias"}),
+}
+SSM_KINDS = {"Mamba1": "mamba", "Mamba2": "mamba2"}
+
+RULES = RenameRules([
+    ("backbone.embedding.weight", "model.embed_tokens.weight"),
+    ("backbone.norm_f.weight", "model.norm.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+    ("backbone.layers.{i}.norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("backbone.layers.{i}.norm2.weight", "model.layers.{i}.pre_mlp_layernorm.weight"),
+    ("backbone.layers.{i}.mlp.fc2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("backbone.layers.{i}.mixer.{rest}", "model.layers.{i}.mixer.{rest}"),
+])
+
+
+def matches(foreign_config: dict) -> bool:
+    return "model_type" not in foreign_config and {"d_model", "n_layer"} <= set(foreign_config)
+
+
+def _settings(given: dict, defaults: dict, what: str) -> dict:
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"mamba-ssm {what} has unknown keys {unknown}; known: {sorted(defaults)}")
+    return {**defaults, **given}
+
+
+def to_config(foreign_config: dict) -> HybridConfig:
+    fc = {**MODEL_DEFAULTS, **foreign_config}
+    require_settings(fc, {"rms_norm": (True,)}, "mamba-ssm")
+    ssm_cfg = dict(fc["ssm_cfg"])
+    layer = ssm_cfg.pop("layer", "Mamba1")
+    if layer not in SSM_DEFAULTS:
+        raise ValueError(f"mamba-ssm ssm_cfg.layer={layer!r} is not supported (supported: {sorted(SSM_DEFAULTS)})")
+    ssm = _settings(ssm_cfg, SSM_DEFAULTS[layer], "ssm_cfg")
+    require_settings(ssm, {"D_has_hdim": (False,), "rmsnorm": (True,), "norm_before_gate": (False,),
+                           "d_ssm": (None,)}, f"mamba-ssm {layer}")
+    n, hidden = fc["n_layer"], fc["d_model"]
+    attention_layers = set(fc["attn_layer_idx"])
+    if not attention_layers <= set(range(n)):
+        raise ValueError(f"mamba-ssm attn_layer_idx={sorted(attention_layers)} has layers outside 0..{n - 1}")
+    vocab, multiple = fc["vocab_size"], fc["pad_vocab_size_multiple"]
+    kwargs = {
+        **SSM_FIELDS[layer].to_ours(ssm),
+        "vocab_size": -(-vocab // multiple) * multiple,
+        "hidden_size": hidden,
+        "layer_types": ["attention" if i in attention_layers else SSM_KINDS[layer] for i in range(n)],
+        "mlp_types": ["dense" if fc["d_intermediate"] else "none"] * n,
+        "intermediate_size": -(-fc["d_intermediate"] // 128) * 128 if fc["d_intermediate"] else None,
+        "rms_norm_eps": NORM_EPS,
+        "tie_word_embeddings": fc["tie_embeddings"],
+    }
+    if attention_layers:
+        kwargs.update(_attention_settings(fc["attn_cfg"], hidden))
+    return HybridConfig(**kwargs)
+
+
+def _attention_settings(attn_cfg: dict, hidden: int) -> dict:
+    attn = _settings(attn_cfg, {"num_heads": None, **ATTN_DEFAULTS}, "attn_cfg")
+    require_settings(attn, {"causal": (True,), "mlp_dim": (0,), "d_conv": (0,), "rotary_emb_interleaved": (False,),
+                            "out_proj_bias": (attn["qkv_proj_bias"],)}, "mamba-ssm attention")
+    heads = attn["num_heads"]
+    head_dim = attn["head_dim"] or hidden // heads
+    if attn["softmax_scale"] not in (None, head_dim**-0.5):
+        raise ValueError(f"mamba-ssm attn_cfg.softmax_scale={attn['softmax_scale']} is not supported "
+                         f"(supported: None, i.e. head_dim ** -0.5)")
+    factor = attn["rotary_emb_dim"] / head_dim
+    if int(head_dim * factor) != attn["rotary_emb_dim"]:
+        raise ValueError(f"mamba-ssm attn_cfg.rotary_emb_dim={attn['rotary_emb_dim']} is not expressible as a "
+                         f"fraction of head_dim={head_dim}")
+    return {"num_attention_heads": heads, "num_key_value_heads": attn["num_heads_kv"] or heads, "head_dim": head_dim,
+            "attention_bias": attn["qkv_proj_bias"], "partial_rotary_factor": factor,
+            "rope_theta": float(attn["rotary_emb_base"])}
+
+
+def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
+    state = rename_state(state, RULES)
+    for i, kind in enumerate(config.layer_types):
+        prefix = f"model.layers.{i}."
+        if f"{prefix}mlp.fc1.weight" in state:  # fc1 = up | gate
+            up, gate = state.pop(f"{prefix}mlp.fc1.weight").chunk(2, dim=0)
+            state[f"{prefix}mlp.up_proj.weight"], state[f"{prefix}mlp.gate_proj.weight"] = up, gate
+        if kind == "attention":
+            _split_attention(state, prefix + "mixer.", config)
+    return state
+
+
+def _split_attention(state: StateDict, prefix: str, config: HybridConfig) -> None:
+    """``in_proj`` (q | k | v) -> ``q_proj``, ``k_proj``, ``v_proj``; ``out_proj`` -> ``o_proj``."""
+    q_size = config.num_attention_heads * config.head_dim
+    kv_size = config.num_key_value_heads * config.head_dim
+    for suffix in ("weight", "bias"):
+        fused = state.pop(f"{prefix}in_proj.{suffix}", None)
+        if fused is not None:
+            if fused.shape[0] != q_size + 2 * kv_size:
+                raise ValueError(f"{prefix}in_proj.{suffix}: shape {tuple(fused.shape)}, expected "
+                                 f"{q_size + 2 * kv_size} rows (q {q_size} + k {kv_size} + v {kv_size})")
+            q, k, v = torch.split(fused, [q_size, kv_size, kv_size], dim=0)
+            state[f"{prefix}q_proj.{suffix}"], state[f"{prefix}k_proj.{suffix}"] = q, k
+            state[f"{prefix}v_proj.{suffix}"] = v
+        out = state.pop(f"{prefix}out_proj.{suffix}", None)
+        if out is not None:
+            state[f"{prefix}o_proj.{suffix}"] = out
+
+
+FORMAT = register(CheckpointFormat("mamba_ssm", to_config, import_weights, matches=matches))
+
+__all__ = ["FORMAT"]

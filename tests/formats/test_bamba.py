@@ -1,0 +1,75 @@
+"""Bamba checkpoints: Mamba-2 (grouped, chunked) and GQA attention with partial RoPE, each with a SwiGLU MLP;
+loaded exactly and exported back to a directory transformers loads as Bamba."""
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+import hybridlm
+
+from .compare import check_all, check_continuation, check_logits, random_ids, randomize, save_and_load
+
+VOCAB = 256
+
+
+def tiny_bamba(**overrides) -> transformers.BambaForCausalLM:
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=8,
+                    mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8)
+    torch.manual_seed(0)
+    return randomize(transformers.BambaForCausalLM(transformers.BambaConfig(**{**settings, **overrides})).eval())
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory):
+    hf = tiny_bamba()
+    directory = tmp_path_factory.mktemp("bamba")
+    return hf, save_and_load(hf, directory), directory
+
+
+def test_bamba_runs_like_transformers(bamba):
+    hf, ours, _ = bamba
+    assert ours.config.layer_types == ["mamba2", "attention", "mamba2", "attention"]
+    assert ours.config.partial_rotary_factor == 0.5
+    check_all(hf, ours, VOCAB)
+
+
+def test_rope_settings_are_read(tmp_path):
+    """A quarter of each head rotated at another base, and a binding dt clamp: full forwards agree."""
+    hf = tiny_bamba(rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25},
+                    time_step_limit=(0.05, 0.2))
+    ours = save_and_load(hf, tmp_path)
+    assert (ours.config.partial_rotary_factor, ours.config.rope_theta) == (0.25, 500.0)
+    ids = random_ids(VOCAB, 2, 21)
+    check_logits(hf, ours, ids)
+    check_continuation(ours, ids)
+
+
+def test_export_round_trip_is_exact(bamba, tmp_path):
+    hf, ours, directory = bamba
+    ours.save_pretrained(tmp_path, format="bamba")
+    original, exported = load_file(directory / "model.safetensors"), load_file(tmp_path / "model.safetensors")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[name], exported[name]) for name in original)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert isinstance(back, transformers.BambaForCausalLM)
+    check_logits(back, ours, random_ids(VOCAB, 2, 19))
+
+
+def test_hybridlm_model_exports_to_bamba(tmp_path):
+    config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, layer_pattern="SAS", intermediate_size=48,
+                                   num_attention_heads=4, num_key_value_heads=1, partial_rotary_factor=1.0,
+                                   rope_theta=1000.0, mamba2_head_dim=8, mamba2_d_state=4, mamba2_chunk_size=4)
+    ours = randomize(hybridlm.HybridForCausalLM(config).eval(), seed=3)
+    ours.save_pretrained(tmp_path, format="bamba")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert back.config.attn_layer_indices == [1]
+    check_logits(back, ours, random_ids(VOCAB, 2, 10))
+
+
+def test_export_refuses_mamba1_layers_and_missing_mlps(tmp_path):
+    config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, layer_pattern="SMA", num_attention_heads=2,
+                                   mamba2_head_dim=8, mlp_types=["dense", "dense", "none"])
+    with pytest.raises(ValueError, match=r"cannot be written as bamba: .*\['mamba'\].*layers \[2\] do not"):
+        hybridlm.HybridForCausalLM(config).save_pretrained(tmp_path, format="bamba")
