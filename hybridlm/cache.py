@@ -168,6 +168,30 @@ class CompressedKVState(LayerState):
     seen: int = 0
 
 
+@dataclasses.dataclass
+class StateGroup(LayerState):
+    """The states of a layer with several stateful parts, by name (a parallel ``"attention+mamba2"`` layer:
+    ``{"attention": KVState, "mamba2": SSMState}``); empty for a layer without state (an MLP-only layer).
+    Row selection, cloning, device moves and sizes apply to every part."""
+
+    parts: dict[str, LayerState] = dataclasses.field(default_factory=dict)
+
+    def _replace(self, fn) -> StateGroup:
+        return StateGroup({name: part._replace(fn) for name, part in self.parts.items()})
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.parts.values())).batch_size
+
+    def nbytes(self) -> int:
+        return sum(part.nbytes() for part in self.parts.values())
+
+    def reserved_nbytes(self) -> int:
+        return sum(part.reserved_nbytes() for part in self.parts.values())
+
+    def describe(self) -> tuple:
+        return tuple((name, part.describe()) for name, part in self.parts.items())
+
 
 class HybridCache:
     """One state per layer, plus per-row token counts: what ``generate()`` carries between steps.
@@ -202,7 +226,9 @@ class HybridCache:
         """Bytes held, summed per mixer kind (``{"attention": ..., "mamba": ...}``)."""
         totals: dict[str, int] = defaultdict(int)
         for kind, state in zip(self.layer_types, self.states):
-            totals[kind] += state.nbytes()
+            parts = state.parts if isinstance(state, StateGroup) else {kind: state}
+            for part_kind, part in parts.items():
+                totals[part_kind] += part.nbytes()
         return dict(totals)
 
     # --- batch rows -----------------------------------------------------------------------------

@@ -7,7 +7,9 @@ given in a short form instead:
 * Jamba's period/offset form: layer ``i`` is attention when ``i % attn_layer_period == attn_layer_offset``,
   otherwise ``ssm_layer_type``; it is MoE when ``i % expert_layer_period == expert_layer_offset``.
 
-The resolved lists are what the model reads and what ``save_pretrained`` writes.
+The resolved lists are what the model reads and what ``save_pretrained`` writes. A ``layer_types`` entry
+may also be ``"none"`` (an MLP-only layer) or several mixers joined by ``+`` (``"attention+mamba2"``: both
+read the same normalised input and their outputs are summed, as in Falcon-H1).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ from transformers import GenerationConfig, PreTrainedConfig
 MIXER_TYPES = ("attention", "mamba", "mamba2", "performer", "linformer")
 MLP_TYPES = ("dense", "moe", "none")
 MLP_ACTIVATIONS = ("silu", "gelu", "relu2")
+#: ``mamba2_norm``: "gated" rms_norm(y * silu(z)) (Mamba-2); "norm_before_gate" rms_norm(y) * silu(z);
+#: "none" y * silu(z) (the last two: Falcon-H1's ``mamba_norm_before_gate`` / ``mamba_rms_norm=False``).
+MAMBA2_NORMS = ("gated", "norm_before_gate", "none")
+#: ``moe_router``: "softmax" (softmax, then top-k); "sigmoid" (sigmoid scores, top-k chosen by score plus a
+#: per-expert selection bias, optionally within the best ``moe_topk_groups`` of ``moe_num_groups`` groups:
+#: DeepSeek-V3 / Nemotron-H).
+MOE_ROUTERS = ("softmax", "sigmoid")
 
 #: ``layer_pattern`` letters: A attention, M Mamba-1 (selective scan), S Mamba-2 (SSD),
 #: P Performer (FAVOR+), L Linformer.
@@ -35,6 +44,16 @@ _TRANSFORMERS_KWARGS = {
 
 def _fail(field: str, value, allowed: str) -> None:
     raise ValueError(f"HybridConfig.{field}={value!r} is invalid: {allowed}")
+
+
+def _positive_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def mixer_parts(kind: str) -> list[str]:
+    """The mixers of a ``layer_types`` entry: ``"none"`` (an MLP-only layer) has none; ``"attention+mamba2"``
+    runs both on the same input and sums their outputs (Falcon-H1)."""
+    return [] if kind == "none" else kind.split("+")
 
 
 class HybridConfig(PreTrainedConfig):
@@ -71,6 +90,7 @@ class HybridConfig(PreTrainedConfig):
     partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
     attention_bias: bool = False
+    attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
 
     # --- Mamba-1 (selective scan, the Jamba mixer) ---------------------------------------------
     mamba_d_state: int = 16
@@ -99,6 +119,8 @@ class HybridConfig(PreTrainedConfig):
     mamba2_dt_max: float = 0.1
     mamba2_dt_init_floor: float = 1e-4
     mamba2_dt_limit: list[float] | None = None
+    mamba2_inner_size: int | None = None  # SSD channels (heads * head_dim); None: mamba2_expand * hidden_size
+    mamba2_norm: str = "gated"  # see MAMBA2_NORMS
 
     # --- linear attention -------------------------------------------------------------------
     performer_num_features: int = 64
@@ -115,7 +137,22 @@ class HybridConfig(PreTrainedConfig):
     moe_intermediate_size: int | None = None
     shared_expert_intermediate_size: int = 0
     moe_renormalize: bool = False
+    moe_router: str = "softmax"  # see MOE_ROUTERS
+    moe_num_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_routed_scaling: float = 1.0  # the routed experts' weights are multiplied by this
     router_aux_loss_coef: float = 0.001
+
+    # --- scalar multipliers (Granite, Falcon-H1) -------------------------------------------------
+    embedding_multiplier: float = 1.0  # scales the token embeddings
+    residual_multiplier: float = 1.0  # scales each mixer and MLP output before its residual add
+    logits_multiplier: float = 1.0  # scales the logits
+
+    # --- shared transformer blocks (Zamba2), see hybridlm/shared_blocks.py -------------------------
+    shared_block_layers: list[int] | None = None  # layers whose mixer input gets a shared block's output
+    num_shared_blocks: int = 1  # application k uses shared block k % num_shared_blocks
+    shared_block_adapter_rank: int = 0  # > 0: per-application LoRA adapters on the shared MLP's gate/up
+    shared_block_attention_adapters: bool = False  # also on the shared attention's q, k, v
 
     def __post_init__(self, **kwargs):
         unknown = sorted(set(kwargs) - _TRANSFORMERS_KWARGS - set(GenerationConfig._get_default_generation_params()))
@@ -149,14 +186,18 @@ class HybridConfig(PreTrainedConfig):
         if len(self.layer_types) != self.num_hidden_layers:
             _fail("num_hidden_layers", self.num_hidden_layers, f"the layer plan has {len(self.layer_types)} layers")
         for i, kind in enumerate(self.layer_types):
-            if kind not in MIXER_TYPES:
-                _fail(f"layer_types[{i}]", kind, f"allowed mixers are {MIXER_TYPES}")
+            parts = mixer_parts(kind)
+            if any(part not in MIXER_TYPES for part in parts) or len(set(parts)) != len(parts):
+                _fail(f"layer_types[{i}]", kind, f"allowed: a mixer from {MIXER_TYPES}, distinct mixers joined by "
+                      "'+' (run in parallel), or 'none' (an MLP-only layer)")
         self.mlp_types = self._agree("mlp_types", self._mlp_plans(), ["dense"] * self.num_hidden_layers)
         if len(self.mlp_types) != self.num_hidden_layers:
             _fail("mlp_types", self.mlp_types, f"need one entry per layer ({self.num_hidden_layers})")
         for i, kind in enumerate(self.mlp_types):
             if kind not in MLP_TYPES:
                 _fail(f"mlp_types[{i}]", kind, f"allowed MLP types are {MLP_TYPES}")
+            if kind == "none" and self.layer_types[i] == "none":
+                _fail(f"mlp_types[{i}]", kind, "layer_types[i] is 'none' too: a layer needs a mixer or an MLP")
 
     @staticmethod
     def _agree(field: str, plans: dict[str, list[str] | None], default: list[str]) -> list[str]:
@@ -248,16 +289,63 @@ class HybridConfig(PreTrainedConfig):
             _fail("mlp_activation", self.mlp_activation, f"allowed activations are {MLP_ACTIVATIONS}")
         if self.num_experts_per_tok > self.num_experts:
             _fail("num_experts_per_tok", self.num_experts_per_tok, f"must be <= num_experts={self.num_experts}")
-        if "mamba2" in self.layer_types:
-            inner = self.mamba2_expand * self.hidden_size
+        if "mamba2" in self.mixer_kinds:
+            inner = self.mamba2_d_inner
             if inner % self.mamba2_head_dim:
-                _fail("mamba2_head_dim", self.mamba2_head_dim, f"must divide mamba2_expand * hidden_size = {inner}")
+                _fail("mamba2_head_dim", self.mamba2_head_dim, f"must divide the SSD inner size {inner}")
             heads = inner // self.mamba2_head_dim
             if heads % self.mamba2_n_groups:
                 _fail("mamba2_n_groups", self.mamba2_n_groups, f"must divide the number of SSD heads ({heads})")
         low, high = self.mamba2_dt_limit
         if len(self.mamba2_dt_limit) != 2 or not 0.0 <= low < high:
             _fail("mamba2_dt_limit", self.mamba2_dt_limit, "must be [low, high] with 0 <= low < high")
+        self._check_options()
+
+    def _check_options(self) -> None:
+        """The options that express foreign architectures' quirks (multipliers, routers, shared blocks)."""
+        for name in ("embedding_multiplier", "residual_multiplier", "logits_multiplier", "moe_routed_scaling"):
+            if not _positive_number(getattr(self, name)):
+                _fail(name, getattr(self, name), "must be a positive finite number")
+        if self.attention_scale is not None and not _positive_number(self.attention_scale):
+            _fail("attention_scale", self.attention_scale, "must be None or a positive finite number")
+        if self.mamba2_inner_size is not None and (not isinstance(self.mamba2_inner_size, int)
+                                                   or self.mamba2_inner_size < 1):
+            _fail("mamba2_inner_size", self.mamba2_inner_size, "must be None or a positive integer")
+        if self.mamba2_norm not in MAMBA2_NORMS:
+            _fail("mamba2_norm", self.mamba2_norm, f"allowed: {MAMBA2_NORMS}")
+        self._check_router()
+        self._check_shared_blocks()
+
+    def _check_router(self) -> None:
+        if self.moe_router not in MOE_ROUTERS:
+            _fail("moe_router", self.moe_router, f"allowed: {MOE_ROUTERS}")
+        groups, chosen = self.moe_num_groups, self.moe_topk_groups
+        if not isinstance(groups, int) or groups < 1 or self.num_experts % groups:
+            _fail("moe_num_groups", groups, f"must be a positive divisor of num_experts={self.num_experts}")
+        if groups > 1 and (self.moe_router != "sigmoid" or self.num_experts // groups < 2):
+            _fail("moe_num_groups", groups, "groups need moe_router='sigmoid' and at least 2 experts per group")
+        if not isinstance(chosen, int) or not 1 <= chosen <= groups:
+            _fail("moe_topk_groups", chosen, f"must be in [1, moe_num_groups={groups}]")
+        if self.num_experts_per_tok > chosen * (self.num_experts // groups):
+            _fail("num_experts_per_tok", self.num_experts_per_tok,
+                  f"exceeds the experts in the {chosen} eligible group(s)")
+
+    def _check_shared_blocks(self) -> None:
+        layers = self.shared_block_layers
+        if layers is None:
+            return
+        if not layers or sorted(set(layers)) != list(layers) or not all(
+                isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in layers):
+            _fail("shared_block_layers", layers,
+                  f"must be increasing, distinct layer indices in [0, {self.num_hidden_layers})")
+        if not isinstance(self.num_shared_blocks, int) or not 1 <= self.num_shared_blocks <= len(layers):
+            _fail("num_shared_blocks", self.num_shared_blocks, f"must be in [1, {len(layers)}] (one per application "
+                  "at most)")
+        rank = self.shared_block_adapter_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+            _fail("shared_block_adapter_rank", rank, "must be a non-negative integer")
+        if self.shared_block_attention_adapters and rank == 0:
+            _fail("shared_block_attention_adapters", True, "needs shared_block_adapter_rank > 0")
 
     def validate(self) -> None:
         """transformers' class validators, minus its check of ``layer_types`` against its own layer names
@@ -279,12 +367,16 @@ class HybridConfig(PreTrainedConfig):
 
     @property
     def mamba_d_inner(self) -> int:
-
         return self.mamba_expand * self.hidden_size
 
     @property
     def mamba2_d_inner(self) -> int:
-        return self.mamba2_expand * self.hidden_size
+        return self.mamba2_inner_size or self.mamba2_expand * self.hidden_size
+
+    @property
+    def mixer_kinds(self) -> set[str]:
+        """Every mixer kind some layer runs (the parts of parallel layers included)."""
+        return {part for kind in self.layer_types for part in mixer_parts(kind)}
 
     @property
     def mamba2_num_heads(self) -> int:

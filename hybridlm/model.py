@@ -13,11 +13,12 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .cache import HybridCache
-from .config import HybridConfig
+from .cache import HybridCache, LayerState, StateGroup
+from .config import HybridConfig, mixer_parts
 from .layers.mlp import MLP, MoE
 from .layers.norms import RMSNorm
-from .mixers import MIXERS, Mixer
+from .mixers import Mixer, build_mixer
+from .shared_blocks import SharedBlocks
 
 
 @dataclass
@@ -42,30 +43,49 @@ class HybridCausalLMOutput(ModelOutput):
 
 
 class HybridBlock(GradientCheckpointingLayer):
-    """Pre-norm residual block: ``h += mixer(norm(h))``, then ``h += mlp(norm(h))`` unless the MLP is "none"."""
+    """Pre-norm residual block: ``h += r * mixer(norm(h + injected))``, then ``h += r * mlp(norm(h))``.
+
+    The mixer is absent for a ``"none"`` layer (MLP-only) and the MLP for ``mlp_type="none"`` (mixer-only);
+    ``r`` is ``residual_multiplier``; ``injected`` is what a shared block adds to this layer's mixer input
+    (:mod:`hybridlm.shared_blocks`), None elsewhere."""
 
     def __init__(self, config: HybridConfig, layer_idx: int):
         super().__init__()
         self.mixer_type, self.mlp_type = config.layer_types[layer_idx], config.mlp_types[layer_idx]
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.mixer = MIXERS[self.mixer_type](config, layer_idx)
+        self.residual_multiplier = config.residual_multiplier
+        self.mixer = build_mixer(mixer_parts(self.mixer_type), config, layer_idx)
+        if self.mixer is not None:
+            self.input_layernorm = RMSNorm(hidden, eps)
         if self.mlp_type == "dense":
             self.mlp = MLP(hidden, config.intermediate_size, config.mlp_activation)
         elif self.mlp_type == "moe":
             self.mlp = MoE(hidden, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
-                           config.mlp_activation, config.moe_renormalize, config.shared_expert_intermediate_size)
+                           config.mlp_activation, config.moe_renormalize, config.shared_expert_intermediate_size,
+                           router=config.moe_router, num_groups=config.moe_num_groups,
+                           topk_groups=config.moe_topk_groups, routed_scaling=config.moe_routed_scaling)
         if self.mlp_type != "none":
             self.pre_mlp_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, hidden, state=None, mask=None, positions=None):
-        hidden = hidden + self.mixer(self.input_layernorm(hidden), state, mask=mask, positions=positions)
+    def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> LayerState:
+        if self.mixer is None:
+            return StateGroup()
+        return self.mixer.init_state(batch_size, max_length, device, dtype)
+
+    def _residual(self, hidden, out):
+        return hidden + (out if self.residual_multiplier == 1.0 else out * self.residual_multiplier)
+
+    def forward(self, hidden, state=None, mask=None, positions=None, injected=None):
+        if self.mixer is not None:
+            mixer_input = hidden if injected is None else hidden + injected
+            out = self.mixer(self.input_layernorm(mixer_input), state, mask=mask, positions=positions)
+            hidden = self._residual(hidden, out)
         aux = None
         if self.mlp_type == "dense":
-            hidden = hidden + self.mlp(self.pre_mlp_layernorm(hidden))
+            hidden = self._residual(hidden, self.mlp(self.pre_mlp_layernorm(hidden)))
         elif self.mlp_type == "moe":
             out, aux = self.mlp(self.pre_mlp_layernorm(hidden), mask)
-            hidden = hidden + out
+            hidden = self._residual(hidden, out)
         return hidden, aux
 
 
@@ -102,12 +122,14 @@ def _check_mask(mask: torch.Tensor, cache: HybridCache | None) -> None:
 
 
 class HybridModel(HybridPreTrainedModel):
-    """Embedding, the stack of :class:`HybridBlock` s and the final norm."""
+    """Embedding (scaled by ``embedding_multiplier``), the stack of :class:`HybridBlock` s, the shared blocks
+    applied inside it when ``shared_block_layers`` is set, and the final norm."""
 
     def __init__(self, config: HybridConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(HybridBlock(config, i) for i in range(config.num_hidden_layers))
+        self.shared = SharedBlocks(config) if config.shared_block_layers else None
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
         self._signatures: dict[torch.dtype, tuple] = {}
@@ -125,14 +147,23 @@ class HybridModel(HybridPreTrainedModel):
         """An empty cache for ``batch_size`` rows; attention layers preallocate ``max_length`` slots if given."""
         device = device if device is not None else self.embed_tokens.weight.device
         dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
-        states = [block.mixer.init_state(batch_size, max_length, device, dtype) for block in self.layers]
-        return HybridCache(states, self.config.layer_types, self._signature(dtype), batch_size, device)
+        kinds, states = self._init_states(batch_size, max_length, device, dtype)
+        return HybridCache(states, kinds, self._signature(dtype), batch_size, device)
+
+    def _init_states(self, batch_size, max_length, device, dtype) -> tuple[list[str], list[LayerState]]:
+        """Kinds and empty states: one per layer, then one per shared-block application."""
+        kinds = list(self.config.layer_types)
+        states = [block.init_state(batch_size, max_length, device, dtype) for block in self.layers]
+        if self.shared is not None:
+            kinds += ["shared_attention"] * len(self.shared.layers)
+            states += self.shared.init_states(batch_size, max_length, device, dtype)
+        return kinds, states
 
     def _signature(self, dtype: torch.dtype) -> tuple:
-        """What identifies the states this model reads: per layer, its kind and its state's fixed shapes."""
+        """What identifies the states this model reads: per state, its kind and its fixed shapes."""
         if dtype not in self._signatures:
-            probe = [block.mixer.init_state(1, None, "meta", dtype) for block in self.layers]
-            self._signatures[dtype] = tuple((b.mixer_type, s.describe()) for b, s in zip(self.layers, probe))
+            kinds, probe = self._init_states(1, None, "meta", dtype)
+            self._signatures[dtype] = tuple((kind, s.describe()) for kind, s in zip(kinds, probe))
         return self._signatures[dtype]
 
     # --- forward --------------------------------------------------------------------------------
@@ -160,10 +191,16 @@ class HybridModel(HybridPreTrainedModel):
         mask = self._current_mask(attention_mask, cache, batch, time)
         positions = self._positions(position_ids, mask, cache, batch, time, hidden.device)
 
-        aux_losses = []
+        aux_losses, embeddings = [], hidden
+        sites = {layer: k for k, layer in enumerate(self.shared.layers)} if self.shared is not None else {}
         for i, block in enumerate(self.layers):
             state = cache.states[i] if cache is not None else None
-            hidden, aux = block(hidden, state, mask, positions)
+            injected = None
+            if i in sites:
+                k = sites[i]
+                site_state = cache.states[len(self.layers) + k] if cache is not None else None
+                injected = self.shared(k, hidden, embeddings, site_state, mask, positions)
+            hidden, aux = block(hidden, state, mask, positions, injected)
             if aux is not None:
                 aux_losses.append(aux)
         if cache is not None:
@@ -186,7 +223,9 @@ class HybridModel(HybridPreTrainedModel):
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-        return self.embed_tokens(input_ids)
+        embeddings = self.embed_tokens(input_ids)
+        multiplier = self.config.embedding_multiplier
+        return embeddings if multiplier == 1.0 else embeddings * multiplier
 
     def _check_cache(self, cache, batch: int, dtype: torch.dtype) -> None:
         if not isinstance(cache, HybridCache):
@@ -301,6 +340,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
+        if self.config.logits_multiplier != 1.0:
+            logits = logits * self.config.logits_multiplier
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),

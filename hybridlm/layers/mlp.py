@@ -22,10 +22,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None = None) -> torch.Tensor:
+        """``gate_up_delta [..., 2 * intermediate]`` (gated MLPs only) is added to the concatenated gate and up
+        pre-activations: what a per-site LoRA adapter contributes (Zamba2's shared blocks)."""
         if self.activation == "relu2":
+            if gate_up_delta is not None:
+                raise ValueError("MLP: gate_up_delta needs a gated activation (silu or gelu)")
             return self.down_proj(F.relu(self.up_proj(x)).square())
-        return self.down_proj(GATED[self.activation](self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if gate_up_delta is not None:
+            gate_delta, up_delta = gate_up_delta.chunk(2, dim=-1)
+            gate, up = gate + gate_delta, up + up_delta
+        return self.down_proj(GATED[self.activation](gate) * up)
 
 
 def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -36,8 +44,15 @@ def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, num_experts: 
 
 
 class MoE(nn.Module):
-    """Top-k routing over ``num_experts`` MLPs (softmax, then top-k, optionally renormalised), plus an optional
-    always-on shared expert. ``forward`` returns ``(output, aux_loss)``."""
+    """Top-k routing over ``num_experts`` MLPs plus an optional always-on shared expert. ``forward`` returns
+    ``(output, aux_loss)``.
+
+    ``router="softmax"``: softmax probabilities, then top-k. ``router="sigmoid"`` (DeepSeek-V3, Nemotron-H):
+    sigmoid scores; the top-k are chosen by score plus ``expert_bias`` (a buffer, for balancing without an
+    auxiliary loss), among the experts of the ``topk_groups`` best of ``num_groups`` groups (a group ranks by
+    the sum of its two best biased scores); the weights are the unbiased scores. Either way the weights are
+    optionally renormalised to sum to one, then multiplied by ``routed_scaling``.
+    """
 
     def __init__(
         self,
@@ -48,21 +63,54 @@ class MoE(nn.Module):
         activation: str = "silu",
         renormalize: bool = False,
         shared_intermediate_size: int = 0,
+        router: str = "softmax",
+        num_groups: int = 1,
+        topk_groups: int = 1,
+        routed_scaling: float = 1.0,
     ):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
+        self.router_kind, self.num_groups, self.topk_groups = router, num_groups, topk_groups
+        self.routed_scaling = routed_scaling
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        if router == "sigmoid":
+            self.register_buffer("expert_bias", torch.zeros(num_experts))
+        elif router != "softmax" or num_groups != 1:
+            raise ValueError(f"MoE: router={router!r} with num_groups={num_groups}; allowed: 'softmax' (one group) "
+                             "or 'sigmoid'")
         self.experts = nn.ModuleList(MLP(hidden_size, intermediate_size, activation) for _ in range(num_experts))
         self.shared_expert = (
             MLP(hidden_size, shared_intermediate_size, activation) if shared_intermediate_size else None
         )
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = x.reshape(-1, x.shape[-1])
-        probs = torch.softmax(self.router(flat).float(), dim=-1)
-        weights, chosen = probs.topk(self.top_k, dim=-1)
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(probs [tokens, E], weights [tokens, k], chosen [tokens, k])``; ``probs`` sum to one per token (the
+        sigmoid scores normalised) and feed the load-balancing loss."""
+        logits = self.router(flat).float()
+        if self.router_kind == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            weights, chosen = probs.topk(self.top_k, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            chosen = self._eligible(scores + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)
+            probs = scores / scores.sum(-1, keepdim=True)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        return probs, weights * self.routed_scaling, chosen
+
+    def _eligible(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` with the experts outside the ``topk_groups`` best groups set to -inf."""
+        if self.num_groups == 1:
+            return choice
+        grouped = choice.unflatten(-1, (self.num_groups, -1))
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        probs, weights, chosen = self.route(flat)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):

@@ -25,21 +25,25 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Mamba-2's output norm: ``rms_norm(x * silu(gate))`` over groups of ``group_size`` channels."""
+    """Mamba-2's output norm: ``rms_norm(x * silu(gate))`` over groups of ``group_size`` channels, or with
+    ``norm_before_gate`` ``rms_norm(x) * silu(gate)`` (Falcon-H1)."""
 
-    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, group_size: int, eps: float = 1e-6, norm_before_gate: bool = False):
         super().__init__()
         if hidden_size % group_size:
             raise ValueError(f"GatedRMSNorm: group_size={group_size} does not divide hidden_size={hidden_size}")
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.group_size = group_size
         self.eps = eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        if gate is not None:
+        if gate is not None and not self.norm_before_gate:
             x = x * F.silu(gate.float())
         grouped = x.unflatten(-1, (-1, self.group_size))
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        if gate is not None and self.norm_before_gate:
+            return (self.weight * grouped.flatten(-2) * F.silu(gate.float())).to(dtype)
         return self.weight * grouped.flatten(-2).to(dtype)

@@ -13,16 +13,23 @@ from .base import Mixer, register
 
 @register("attention")
 class Attention(Mixer):
-    """Attention over all earlier tokens (or the last ``sliding_window`` of them, itself included)."""
+    """Attention over all earlier tokens (or the last ``sliding_window`` of them, itself included).
 
-    def __init__(self, config, layer_idx: int = 0):
+    ``input_size`` (default ``hidden_size``) is the width the q/k/v projections read; the output is always
+    ``hidden_size`` wide (Zamba2's shared block reads the hidden state concatenated with the embeddings).
+    ``forward`` is :meth:`project` then :meth:`attend`; callers that add to q/k/v (per-site LoRA adapters)
+    call the two themselves."""
+
+    def __init__(self, config, layer_idx: int = 0, input_size: int | None = None):
         super().__init__()
         hidden, bias = config.hidden_size, config.attention_bias
+        width = input_size or hidden
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.window = config.head_dim, config.sliding_window
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.scale = config.attention_scale
+        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         rotary_dim = int(self.head_dim * config.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta) if rotary_dim else None
@@ -34,14 +41,20 @@ class Attention(Mixer):
                              device=device, dtype=dtype)
 
     def forward(self, x, state: KVState | None = None, *, mask=None, positions=None):
-        batch, time, _ = x.shape
-        q = self.q_proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(batch, time, -1, self.head_dim).transpose(1, 2)
+        return self.attend(*self.project(x), state, mask=mask, positions=positions)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values ``[batch, time, heads * head_dim]`` of ``x``."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+    def attend(self, q, k, v, state: KVState | None = None, *, mask=None, positions=None) -> torch.Tensor:
+        """Attention of projected ``q, k, v`` (see :meth:`project`), through ``o_proj``."""
+        batch, time, _ = q.shape
+        q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         first = state.end if state is not None else 0  # slot of the first new token
         if self.rotary is not None:
             if positions is None:
-                positions = torch.arange(first, first + time, device=x.device).expand(batch, time)
+                positions = torch.arange(first, first + time, device=q.device).expand(batch, time)
             cos, sin = self.rotary.cos_sin(positions, q.dtype)
             q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
 
@@ -53,8 +66,8 @@ class Attention(Mixer):
         needs_mask = mask is not None or padded_before or self.window is not None or (state is not None and time > 1)
         allowed = None
         if needs_mask:
-            allowed = self._allowed(time, first, key_start, keys.shape[2], cached_padding, mask, x.device)
-        out = ops.attention(q, keys, values, mask=allowed, causal=allowed is None and time > 1)
+            allowed = self._allowed(time, first, key_start, keys.shape[2], cached_padding, mask, q.device)
+        out = ops.attention(q, keys, values, mask=allowed, causal=allowed is None and time > 1, scale=self.scale)
 
         if state is not None:
             if mask is not None:

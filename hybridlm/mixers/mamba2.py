@@ -2,6 +2,7 @@
 
 in_proj -> (z, xBC, dt); xBC -> causal conv + SiLU -> (x, B, C); dt -> softplus(dt + dt_bias), clamped to
 the dt limits; y = SSD(x, dt, A, B, C) + D x; y = RMSNorm(y * SiLU(z)) per group; out_proj.
+``mamba2_norm`` chooses the output gating: that (default), RMSNorm(y) * SiLU(z), or y * SiLU(z) with no norm.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ class Mamba2(Mixer):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))
-        self.norm = GatedRMSNorm(inner, inner // self.n_groups, eps=config.rms_norm_eps)
+        self.norm = None if config.mamba2_norm == "none" else GatedRMSNorm(
+            inner, inner // self.n_groups, eps=config.rms_norm_eps,
+            norm_before_gate=config.mamba2_norm == "norm_before_gate")
         self.out_proj = nn.Linear(inner, hidden, bias=config.mamba2_proj_bias)
 
     def initial_values(self) -> dict[str, torch.Tensor]:
@@ -79,5 +82,6 @@ class Mamba2(Mixer):
             )
             if state is not None:
                 state.ssm.copy_(final)
-        y = self.norm(y.reshape(batch, time, self.d_inner), z)
+        y = y.reshape(batch, time, self.d_inner)
+        y = y * F.silu(z) if self.norm is None else self.norm(y, z)
         return self.out_proj(y)
