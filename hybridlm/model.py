@@ -293,7 +293,8 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         from . import formats
 
         path = Path(pretrained_model_name_or_path)
-        if (path / "config.json").is_file() and formats.read_config(path).get("model_type") != "hybridlm":
+        # read_config names a missing config.json (transformers would build a default, randomly initialised model)
+        if path.is_dir() and formats.read_config(path).get("model_type") != "hybridlm":
             if args or set(kwargs) - {"dtype", "device_map"}:
                 raise TypeError(f"foreign checkpoints take only dtype= and device_map=, got {sorted(kwargs)}")
             return formats.load(path, dtype=kwargs.get("dtype"), device=kwargs.get("device_map"))

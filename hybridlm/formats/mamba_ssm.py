@@ -50,6 +50,7 @@ RULES = RenameRules([
     ("lm_head.weight", "lm_head.weight"),
     ("backbone.layers.{i}.norm.weight", "model.layers.{i}.input_layernorm.weight"),
     ("backbone.layers.{i}.norm2.weight", "model.layers.{i}.pre_mlp_layernorm.weight"),
+    ("backbone.layers.{i}.mlp.fc1.weight", "model.layers.{i}.mlp.fc1.weight"),  # split in import_weights
     ("backbone.layers.{i}.mlp.fc2.weight", "model.layers.{i}.mlp.down_proj.weight"),
     ("backbone.layers.{i}.mixer.{rest}", "model.layers.{i}.mixer.{rest}"),
 ])
