@@ -103,16 +103,13 @@ def _attention_settings(attn_cfg: dict, hidden: int) -> dict:
                             "out_proj_bias": (attn["qkv_proj_bias"],)}, "mamba-ssm attention")
     heads = attn["num_heads"]
     head_dim = attn["head_dim"] or hidden // heads
-    if attn["softmax_scale"] not in (None, head_dim**-0.5):
-        raise ValueError(f"mamba-ssm attn_cfg.softmax_scale={attn['softmax_scale']} is not supported "
-                         f"(supported: None, i.e. head_dim ** -0.5)")
     factor = attn["rotary_emb_dim"] / head_dim
     if int(head_dim * factor) != attn["rotary_emb_dim"]:
         raise ValueError(f"mamba-ssm attn_cfg.rotary_emb_dim={attn['rotary_emb_dim']} is not expressible as a "
                          f"fraction of head_dim={head_dim}")
     return {"num_attention_heads": heads, "num_key_value_heads": attn["num_heads_kv"] or heads, "head_dim": head_dim,
             "attention_bias": attn["qkv_proj_bias"], "partial_rotary_factor": factor,
-            "rope_theta": float(attn["rotary_emb_base"])}
+            "rope_theta": float(attn["rotary_emb_base"]), "attention_scale": attn["softmax_scale"]}
 
 
 def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:

@@ -80,20 +80,21 @@ def test_pure_ssm_checkpoint_runs_like_transformers(layer, tmp_path):
 
 
 def test_hybrid_checkpoint_with_attention_and_mlps(tmp_path):
-    """Mamba-2 + GQA attention (fused qkv with biases, half-head RoPE) + gated MLPs (d_intermediate 100, rounded up
-    to 128 as mamba-ssm does)."""
+    """Mamba-2 + GQA attention (fused qkv with biases, half-head RoPE, its own softmax scale) + gated MLPs
+    (d_intermediate 100, rounded up to 128 as mamba-ssm does)."""
     config = hybridlm.HybridConfig(
         vocab_size=VOCAB, hidden_size=64, layer_types=["mamba2", "attention", "mamba2"], intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, attention_bias=True, partial_rotary_factor=0.5,
-        rms_norm_eps=1e-5, mamba2_head_dim=16, mamba2_n_groups=2, mamba2_d_state=8, mamba2_chunk_size=8,
-        tie_word_embeddings=True,
+        attention_scale=0.3, rms_norm_eps=1e-5, mamba2_head_dim=16, mamba2_n_groups=2, mamba2_d_state=8,
+        mamba2_chunk_size=8, tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     source = randomize(hybridlm.HybridForCausalLM(config).eval())
     write_mamba_ssm(tmp_path, from_hybridlm(source), {
         "d_model": 64, "d_intermediate": 100, "n_layer": 3, "vocab_size": VOCAB,
         "ssm_cfg": {"layer": "Mamba2", "d_state": 8, "headdim": 16, "ngroups": 2, "chunk_size": 8},
-        "attn_layer_idx": [1], "attn_cfg": {"causal": True, "num_heads": 4, "num_heads_kv": 2, "rotary_emb_dim": 8},
+        "attn_layer_idx": [1], "attn_cfg": {"causal": True, "num_heads": 4, "num_heads_kv": 2, "rotary_emb_dim": 8,
+                                                    "softmax_scale": 0.3},
         "rms_norm": True, "pad_vocab_size_multiple": 8, "tie_embeddings": True,
     })
     ours = hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
