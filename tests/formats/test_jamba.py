@@ -90,6 +90,7 @@ def test_hybridlm_model_exports_to_jamba(tmp_path):
     (dict(layer_pattern="MAMM", partial_rotary_factor=0.0, mamba_dt_norm=False), "mamba_dt_norm=False"),
     (dict(layer_pattern="MAMM", partial_rotary_factor=0.0, mlp_types=["dense", "none", "dense", "dense"]),
      "layers [1] have no MLP"),
+    (dict(layer_pattern="MAMM", partial_rotary_factor=0.0, residual_multiplier=0.5), "residual_multiplier=0.5"),
 ])
 def test_export_refuses_what_jamba_cannot_hold(settings, complaint, tmp_path):
     base = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, mamba_dt_norm=True)

@@ -66,8 +66,11 @@ def test_hybridlm_model_exports_to_mamba2(tmp_path):
     check_logits(back, ours, random_ids(VOCAB, 2, 10))
 
 
-def test_export_refuses_attention_and_mlps(tmp_path):
-    config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, layer_pattern="SA", num_attention_heads=2,
-                                   mamba2_head_dim=8)
-    with pytest.raises(ValueError, match=r"cannot be written as mamba2: .*layers \[1\] are not.*have one"):
+@pytest.mark.parametrize("settings, complaint", [
+    (dict(layer_pattern="SA", num_attention_heads=2), r"layers \[1\] are not.*layers \[0, 1\] have one"),
+    (dict(layer_pattern="SS", mlp_types=["none"] * 2, mamba2_norm="norm_before_gate"), "mamba2_norm='norm_before"),
+])
+def test_export_refuses_what_mamba2_cannot_hold(settings, complaint, tmp_path):
+    config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, mamba2_head_dim=8, **settings)
+    with pytest.raises(ValueError, match="cannot be written as mamba2: .*" + complaint):
         hybridlm.HybridForCausalLM(config).save_pretrained(tmp_path, format="mamba2")
