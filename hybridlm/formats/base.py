@@ -270,3 +270,14 @@ def check_expressible(model_type: str, problems: list[str]) -> None:
     """Export guard: raise one error listing everything about a model that ``model_type`` cannot hold."""
     if problems:
         raise ValueError(f"this model cannot be written as {model_type}: " + "; ".join(problems))
+
+
+def split_stacked(state: StateDict, name: str, targets: list[str]) -> StateDict:
+    """``state`` with the stacked expert tensor ``name`` (``[experts, rows, cols]``, the rows of each expert cut
+    into ``len(targets)`` equal blocks) replaced by one tensor per expert and block; ``targets`` are names with
+    ``{e}`` for the expert (``["...experts.{e}.gate_proj.weight", "...experts.{e}.up_proj.weight"]``)."""
+    state = dict(state)
+    for e, stacked in enumerate(state.pop(name)):
+        for target, block in zip(targets, stacked.chunk(len(targets), dim=0)):
+            state[target.format(e=e)] = block.contiguous()
+    return state
