@@ -1,24 +1,31 @@
 """Functional tensor ops. Each has a pure-PyTorch reference (``*_ref``): the CPU path and the test oracle.
 
-The names exported here are what the mixers call.
+The names exported here are what the mixers call. Each runs the backend chosen for the device of its first tensor
+(see :mod:`.backends`): the reference on CPU tensors, the fastest available kernel on CUDA tensors, or what
+``HYBRIDLM_BACKEND`` / :func:`use_backend` force.
 """
 
-from .attention import attention_ref as attention
-from .causal_conv1d import causal_conv1d_ref as causal_conv1d
-from .causal_conv1d import causal_conv1d_update_ref as causal_conv1d_update
-from .compressed_attention import causal_compressed_attention_ref as causal_compressed_attention
-from .linear_attention import causal_linear_attention_ref as causal_linear_attention
-from .selective_scan import selective_scan_ref as selective_scan
-from .selective_scan import selective_state_update_ref as selective_state_update
-from .ssd import ssd_chunk_scan_ref as ssd_chunk_scan
+from .backends import BackendUnavailable, Dispatcher, report, use_backend
+
+attention = Dispatcher("attention")
+causal_compressed_attention = Dispatcher("causal_compressed_attention")
+causal_conv1d = Dispatcher("causal_conv1d")
+causal_conv1d_update = Dispatcher("causal_conv1d_update")
+causal_linear_attention = Dispatcher("causal_linear_attention")
+selective_scan = Dispatcher("selective_scan")
+selective_state_update = Dispatcher("selective_state_update")
+ssd_chunk_scan = Dispatcher("ssd_chunk_scan")
 
 __all__ = [
+    "BackendUnavailable",
     "attention",
     "causal_compressed_attention",
     "causal_conv1d",
     "causal_conv1d_update",
     "causal_linear_attention",
+    "report",
     "selective_scan",
     "selective_state_update",
     "ssd_chunk_scan",
+    "use_backend",
 ]
