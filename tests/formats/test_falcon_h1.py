@@ -1,0 +1,69 @@
+"""Falcon-H1 checkpoints: attention and Mamba-2 in parallel in every layer, a Mamba-2 width of its own, the three
+output-norm variants, and every µP multiplier set to a distinct value; loaded exactly."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+
+import hybridlm
+
+from .compare import check_all, check_continuation, check_logits, random_ids, randomize, save_and_load
+
+VOCAB = 256
+MULTIPLIERS = dict(embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[0.8, 1.3], key_multiplier=0.6,
+                   attention_in_multiplier=1.2, attention_out_multiplier=0.9, ssm_in_multiplier=0.8,
+                   ssm_out_multiplier=1.4, ssm_multipliers=[0.5, 1.5, 0.7, 1.1, 2.0])
+
+
+def tiny_falcon_h1(**overrides) -> transformers.FalconH1ForCausalLM:
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2,
+                    mamba_d_state=16, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
+                    **MULTIPLIERS)
+    torch.manual_seed(0)
+    config = transformers.FalconH1Config(**{**settings, **overrides})
+    return randomize(transformers.FalconH1ForCausalLM(config).eval())
+
+
+@pytest.fixture(scope="module")
+def falcon(tmp_path_factory):
+    hf = tiny_falcon_h1()
+    directory = tmp_path_factory.mktemp("falcon_h1")
+    return hf, save_and_load(hf, directory), directory
+
+
+def test_falcon_h1_runs_like_transformers(falcon):
+    hf, ours, _ = falcon
+    config = ours.config
+    assert config.layer_types == ["attention+mamba2"] * 3
+    assert (config.mamba2_d_inner, config.mamba2_num_heads, config.mamba2_norm) == (96, 6, "norm_before_gate")
+    cache = ours.new_cache(1)
+    assert set(cache.nbytes_by_kind()) == {"attention", "mamba2"}
+    check_all(hf, ours, VOCAB)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(mamba_norm_before_gate=False, attention_bias=True),
+    dict(mamba_rms_norm=False, tie_word_embeddings=True, mamba_proj_bias=True, projectors_bias=True,
+         time_step_limit=(0.05, 0.2)),
+], ids=["gated-norm", "no-norm"])
+def test_norm_variants_biases_and_tied_head(variant, tmp_path):
+    """Multipliers folded into biases too, the gated norm, no norm at all, a tied head and a binding dt clamp."""
+    hf = tiny_falcon_h1(**variant)
+    ours = save_and_load(hf, tmp_path)
+    ids = random_ids(VOCAB, 2, 17)
+    check_logits(hf, ours, ids)
+    check_continuation(ours, ids)
+
+
+def test_unsupported_settings_are_named(falcon, tmp_path):
+    _, _, directory = falcon
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(mlp_bias=True, projectors_bias=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"falcon_h1 checkpoint .*mlp_bias=True.*projectors_bias=True"):
+        hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
