@@ -63,7 +63,8 @@ class Attention(Mixer):
         else:
             key_start, cached_padding, padded_before = state.start, state.padding, state.has_padding
             keys, values = state.append(k, v)
-        needs_mask = mask is not None or padded_before or self.window is not None or (state is not None and time > 1)
+        # Without padding, a window or earlier keys, causality is SDPA's own (much faster than an explicit mask).
+        needs_mask = mask is not None or padded_before or self.window is not None or (time > 1 and keys.shape[2] > time)
         allowed = None
         if needs_mask:
             allowed = self._allowed(time, first, key_start, keys.shape[2], cached_padding, mask, q.device)
