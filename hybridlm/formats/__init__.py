@@ -84,6 +84,6 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
 
 
 # Format modules register themselves on import; add new ones here.
-from . import bamba, falcon_h1, granitemoehybrid, jamba, mamba, mamba2, mamba_ssm, nemotron_h  # noqa: E402, F401
+from . import bamba, falcon_h1, granitemoehybrid, jamba, mamba, mamba2, mamba_ssm, nemotron_h, zamba2  # noqa: E402, F401
 
 __all__ = ["FORMATS", "CheckpointFormat", "detect", "export", "load", "register", "supported"]

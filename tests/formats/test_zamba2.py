@@ -1,0 +1,87 @@
+"""Zamba2 checkpoints: a Mamba-2 stack with shared attention + MLP blocks applied at several depths (used in turn),
+fed the hidden state concatenated with the embeddings, with per-application LoRA adapters and output projections;
+loaded exactly, each application keeping its own KV state."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import hybridlm
+
+from .compare import check_all, check_continuation, check_logits, random_ids, randomize, save_and_load
+
+VOCAB = 256
+
+
+def tiny_zamba2(**overrides) -> transformers.Zamba2ForCausalLM:
+    settings = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=5,
+                    layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"], num_attention_heads=4,
+                    num_key_value_heads=4, intermediate_size=96, mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2,
+                    chunk_size=8, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8,
+                    use_mem_rope=True)
+    torch.manual_seed(0)
+    config = transformers.Zamba2Config(**{**settings, **overrides})
+    return randomize(transformers.Zamba2ForCausalLM(config).eval())
+
+
+@pytest.fixture(scope="module")
+def zamba2(tmp_path_factory):
+    hf = tiny_zamba2()
+    directory = tmp_path_factory.mktemp("zamba2")
+    return hf, save_and_load(hf, directory), directory
+
+
+def test_zamba2_runs_like_transformers(zamba2):
+    hf, ours, _ = zamba2
+    config = ours.config
+    assert (config.shared_block_layers, config.num_shared_blocks) == ([1, 3, 4], 2)
+    assert len(ours.model.shared.blocks) == 2 and len(ours.model.shared.sites) == 3
+    cache = ours.new_cache(1)
+    assert len(cache.states) == 5 + 3  # one state per layer, one KV state per shared-block application
+    check_all(hf, ours, VOCAB)
+
+
+def test_untied_gqa_without_attention_adapters_or_rope(tmp_path):
+    """transformers shares the blocks only with tied embeddings: untied, each application runs its own copy."""
+    hf = tiny_zamba2(num_key_value_heads=2, use_shared_attention_adapter=False, use_mem_rope=False,
+                     hidden_act="silu", tie_word_embeddings=False)
+    ours = save_and_load(hf, tmp_path)
+    assert ours.config.num_shared_blocks == 3
+    assert ours.config.partial_rotary_factor == 0.0 and ours.model.shared.sites[0].q_adapter is None
+    ids = random_ids(VOCAB, 2, 17)
+    check_logits(hf, ours, ids)
+    check_continuation(ours, ids)
+
+
+def _repeat_shared_blocks(directory, target, change=None):
+    """The checkpoint with every shared block also stored under its later layers (optionally one copy altered)."""
+    shutil.copy(directory / "config.json", target / "config.json")
+    state = load_file(directory / "model.safetensors")
+    for name in [n for n in state if n.startswith("model.layers.1.shared_transformer.")]:
+        state[name.replace("layers.1.", "layers.4.")] = state[name] + (change if change and "norm" in name else 0)
+    save_file(state, target / "model.safetensors")
+
+
+def test_repeated_shared_blocks(zamba2, tmp_path):
+    hf, _, directory = zamba2
+    (tmp_path / "same").mkdir()
+    _repeat_shared_blocks(directory, tmp_path / "same")
+    check_logits(hf, hybridlm.HybridForCausalLM.from_pretrained(tmp_path / "same").eval(), random_ids(VOCAB, 1, 9))
+    (tmp_path / "differ").mkdir()
+    _repeat_shared_blocks(directory, tmp_path / "differ", change=1.0)
+    with pytest.raises(ValueError, match=r"model\.layers\.4\.shared_transformer\..*norm.* differs from another copy"):
+        hybridlm.HybridForCausalLM.from_pretrained(tmp_path / "differ")
+
+
+def test_unsupported_settings_are_named(zamba2, tmp_path):
+    _, _, directory = zamba2
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(add_bias_linear=True, rms_norm_eps=1e-6)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"zamba2 checkpoint .*add_bias_linear=True.*rms_norm_eps=1e-06"):
+        hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
