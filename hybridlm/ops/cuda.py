@@ -47,8 +47,9 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
         return f"CUDA sources {missing} not found in {KERNEL_DIR} (they come with a source checkout of hybridlm)"
     from torch.utils.cpp_extension import CUDA_HOME
 
-    if CUDA_HOME is None:
-        return "nvcc not found (install the CUDA toolkit or set CUDA_HOME)"
+    if CUDA_HOME is None or not (Path(CUDA_HOME) / "include" / "cuda_runtime.h").is_file():
+        return (f"no CUDA toolkit found (torch looks in $CUDA_HOME, else next to nvcc on the PATH; it got "
+                f"{CUDA_HOME}): set CUDA_HOME to the toolkit's directory")
     if importlib.util.find_spec("ninja") is None and shutil.which("ninja") is None:
         return "ninja is not installed (pip install ninja): torch needs it to build extensions"
     return None
@@ -141,13 +142,13 @@ def _optional_floats(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.float().contiguous()
 
 
-def scan_with(library, u, delta, A, B, C, D, z, delta_bias, softplus, initial_state):
-    """Runs the scan through ``library``'s operators (the CUDA build, or the tests' CPU emulation of the same
-    kernels) with autograd. Inputs are brought to the kernels' layout here, so autograd maps gradients back."""
+def scan_with(library, u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, initial_state=None):
+    """The scan through ``library``'s operators (the CUDA build, or the tests' CPU emulation of the same kernels),
+    with autograd. Inputs are brought to the kernels' layout here, so autograd maps their gradients back."""
     dtype = u.dtype
     B4, C4 = (x if x.dim() == 4 else x.unsqueeze(1) for x in (B, C))
     return _SelectiveScan.apply(
-        library, bool(softplus), u.contiguous(), _time_major(delta, dtype), A.float().contiguous(),
+        library, bool(delta_softplus), u.contiguous(), _time_major(delta, dtype), A.float().contiguous(),
         _time_major(B4, dtype), _time_major(C4, dtype), _optional_floats(D),
         None if z is None else _time_major(z, dtype), _optional_floats(delta_bias), _optional_floats(initial_state),
     )

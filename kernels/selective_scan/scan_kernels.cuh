@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "selective_scan.h"
 
@@ -44,18 +45,52 @@ void with_dtype(DType dtype, F&& f) {
   }
 }
 
+// 16 bytes, moved by one vector load or store when aligned.
+struct alignas(16) Bytes16 {
+  unsigned int words[4];
+};
+
+// Whether this thread's kItems steps at `p` can move as whole 16-byte vectors.
+template <typename T>
+__device__ __forceinline__ bool vectorizable(const T* p, int t0, int seqlen) {
+  static_assert(kItems * sizeof(T) % sizeof(Bytes16) == 0, "a thread's steps must fill whole vectors");
+  return t0 + kItems <= seqlen && reinterpret_cast<uintptr_t>(p) % sizeof(Bytes16) == 0;
+}
+
 // This thread's kItems steps of a row, starting at step t0; steps at or past `seqlen` read as zero.
 template <typename T>
 __device__ __forceinline__ void load_items(const T* row, int t0, int seqlen, float (&out)[kItems]) {
+  const T* p = row + t0;
+  if (vectorizable(p, t0, seqlen)) {
+    Bytes16 packed[kItems * sizeof(T) / sizeof(Bytes16)];
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) out[i] = t0 + i < seqlen ? to_float(row[t0 + i]) : 0.f;
+    for (int v = 0; v < int(sizeof(packed) / sizeof(Bytes16)); ++v) packed[v] = reinterpret_cast<const Bytes16*>(p)[v];
+    T values[kItems];
+    memcpy(values, packed, sizeof(values));
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) out[i] = to_float(values[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) out[i] = t0 + i < seqlen ? to_float(p[i]) : 0.f;
+  }
 }
 
 template <typename T>
 __device__ __forceinline__ void store_items(T* row, int t0, int seqlen, const float (&values)[kItems]) {
+  T* p = row + t0;
+  if (vectorizable(p, t0, seqlen)) {
+    T converted[kItems];
 #pragma unroll
-  for (int i = 0; i < kItems; ++i) {
-    if (t0 + i < seqlen) row[t0 + i] = from_float<T>(values[i]);
+    for (int i = 0; i < kItems; ++i) converted[i] = from_float<T>(values[i]);
+    Bytes16 packed[kItems * sizeof(T) / sizeof(Bytes16)];
+    memcpy(packed, converted, sizeof(packed));
+#pragma unroll
+    for (int v = 0; v < int(sizeof(packed) / sizeof(Bytes16)); ++v) reinterpret_cast<Bytes16*>(p)[v] = packed[v];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      if (t0 + i < seqlen) p[i] = from_float<T>(values[i]);
+    }
   }
 }
 
