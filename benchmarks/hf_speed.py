@@ -28,7 +28,7 @@ VOCAB = 1024
 
 
 def jamba() -> transformers.PreTrainedModel:
-    """8 layers (attention at 4), top-2 MoE over 4 experts every other layer: ~7M parameters."""
+    """8 layers (attention at 4), top-2 MoE over 4 experts every other layer: 11.6M parameters."""
     return transformers.JambaForCausalLM(transformers.JambaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=2, attn_layer_period=8, attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1,
@@ -37,7 +37,7 @@ def jamba() -> transformers.PreTrainedModel:
 
 
 def mamba2() -> transformers.PreTrainedModel:
-    """8 Mamba-2 layers, 8 heads of 64, 2 groups of state 64: ~5M parameters."""
+    """8 Mamba-2 layers, 8 heads of 64, 2 groups of state 64: 4.2M parameters."""
     return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
         vocab_size=VOCAB, hidden_size=256, num_hidden_layers=8, state_size=64, num_heads=8, head_dim=64, n_groups=2,
         chunk_size=256,
@@ -45,7 +45,7 @@ def mamba2() -> transformers.PreTrainedModel:
 
 
 def bamba() -> transformers.PreTrainedModel:
-    """8 layers (attention at 3 and 7) with SwiGLU MLPs: ~6M parameters."""
+    """8 layers (attention at 3 and 7) with SwiGLU MLPs: 6.8M parameters."""
     return transformers.BambaForCausalLM(transformers.BambaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
         num_key_value_heads=2, attn_layer_indices=[3, 7], mamba_n_heads=8, mamba_d_head=64, mamba_d_state=64,
