@@ -73,6 +73,7 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
         raise ValueError(f"cannot export to model_type={model_type!r}; hybridlm writes "
                          f"{', '.join(['hybridlm'] + writable)}")
     foreign_config = fmt.from_config(model.config)  # raises, before anything is written, if the model does not fit
+    foreign_config.setdefault("dtype", str(model.dtype).removeprefix("torch."))  # what dtype="auto" loads as
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}

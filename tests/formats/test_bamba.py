@@ -66,6 +66,8 @@ def test_hybridlm_model_exports_to_bamba(tmp_path):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert back.config.attn_layer_indices == [1]
     check_logits(back, ours, random_ids(VOCAB, 2, 10))
+    ours.to(torch.bfloat16).save_pretrained(tmp_path / "bf16", format="bamba")
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").dtype == torch.bfloat16
 
 
 def test_export_refuses_mamba1_layers_and_missing_mlps(tmp_path):
