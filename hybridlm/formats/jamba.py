@@ -21,6 +21,7 @@ from .base import (
     quirk_differences,
     rename_state,
     require_settings,
+    split_stacked,
     with_transformers_defaults,
 )
 
@@ -76,16 +77,10 @@ def to_config(foreign_config: dict) -> HybridConfig:
 def _unfuse_experts(state: StateDict) -> StateDict:
     """Per-expert tensors from the fused layout (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H,
     I]``) that transformers keeps in memory; checkpoints written by ``save_pretrained`` are already per expert."""
-    state = dict(state)
-    for name in [n for n in state if n.endswith(".experts.gate_up_proj")]:
-        prefix = name[: -len("gate_up_proj")]
-        for e, fused in enumerate(state.pop(name)):
-            gate, up = fused.chunk(2, dim=0)
-            state[f"{prefix}{e}.gate_proj.weight"], state[f"{prefix}{e}.up_proj.weight"] = gate, up
-    for name in [n for n in state if n.endswith(".experts.down_proj")]:
-        prefix = name[: -len("down_proj")]
-        for e, down in enumerate(state.pop(name)):
-            state[f"{prefix}{e}.down_proj.weight"] = down
+    for name in [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
+        prefix, fused = name.rsplit(".", 1)
+        parts = ["gate_proj", "up_proj"] if fused == "gate_up_proj" else ["down_proj"]
+        state = split_stacked(state, name, [f"{prefix}.{{e}}.{part}.weight" for part in parts])
     return state
 
 
