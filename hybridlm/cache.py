@@ -282,7 +282,7 @@ class HybridCache:
 
     @property
     def is_linear(self) -> list[bool]:
-        return [kind != "attention" for kind in self.layer_types]
+        return ["attention" not in kind.split("+") and kind != "shared_attention" for kind in self.layer_types]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
