@@ -84,6 +84,54 @@ def chunked_decay_scan(
     return y, rearrange(final, "b g e p n -> b (g e) p n")
 
 
+def packed_sequences(
+    batch: int, time: int, seq_idx: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+) -> list[int] | None:
+    """Boundaries ``[0, ..., time]`` of the sequences packed along time, or None for an ordinary batch.
+
+    Packing is given by ``cu_seqlens [n_seqs + 1]`` (cumulative lengths, starting at 0 and ending at ``time``)
+    or ``seq_idx [1, time]`` (each token's sequence number: 0, 0, 1, 1, 1, 2, ...), or both if they agree.
+    Packed input has batch size 1.
+    """
+    if seq_idx is None and cu_seqlens is None:
+        return None
+    if batch != 1:
+        raise ValueError(f"packed sequences (seq_idx / cu_seqlens) need batch size 1, got {batch}")
+    bounds = None
+    if cu_seqlens is not None:
+        bounds = [int(b) for b in torch.as_tensor(cu_seqlens).flatten().tolist()]
+        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != time or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"cu_seqlens must rise from 0 to time={time} with at least one sequence, got {bounds}"
+            )
+    if seq_idx is not None:
+        if tuple(seq_idx.shape) != (1, time) or seq_idx.is_floating_point() or time == 0:
+            raise ValueError(f"seq_idx must be integer [1, time={time}] with time > 0, got {tuple(seq_idx.shape)}")
+        ids = seq_idx[0].tolist()
+        if ids[0] != 0 or any(b - a not in (0, 1) for a, b in zip(ids, ids[1:])):
+            raise ValueError("seq_idx must number the packed sequences 0, 1, 2, ... in order, without gaps")
+        from_ids = [0] + [t for t in range(1, time) if ids[t] != ids[t - 1]] + [time]
+        if bounds is not None and [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]] != from_ids:
+            raise ValueError(f"seq_idx and cu_seqlens disagree: {from_ids} vs {bounds}")
+        bounds = bounds or from_ids
+    return bounds
+
+
+def ssd_through(scan, x, dt, A, B, C, chunk_size, D=None, initial_state=None, **scan_options):
+    """SSD computed by a chunked decay ``scan`` (q = C, k = B, v = dt x, log decay = dt A) plus the skip ``D x``.
+
+    Shared by this reference and the faster backends, which differ only in ``scan``.
+    """
+    batch, time, heads, _ = x.shape
+    if dt.shape != (batch, time, heads) or A.shape != (heads,):
+        raise ValueError(f"ssd_chunk_scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)} disagree")
+    dtf = dt.float()
+    y, final = scan(C, B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), chunk_size, initial_state, **scan_options)
+    if D is not None:
+        y = y + x.float() * (D.float().unsqueeze(-1) if D.dim() == 1 else D.float())
+    return y.to(x.dtype), final
+
+
 def ssd_chunk_scan_ref(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -94,6 +142,8 @@ def ssd_chunk_scan_ref(
     D: torch.Tensor | None = None,
     *,
     initial_state: torch.Tensor | None = None,
+    seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba-2's SSD: ``S[t] = exp(dt[t] A) S[t-1] + dt[t] x[t] (outer) B[t]``, ``y[t] = S[t] C[t] + D x[t]``.
 
@@ -101,12 +151,23 @@ def ssd_chunk_scan_ref(
     [batch, time, heads]`` (already biased, soft-plussed and clamped), ``A [heads]``, ``B, C [batch, time,
     groups, dstate]``, ``D [heads]`` or ``[heads, head_dim]``. Returns ``(y like x, final_state [batch, heads,
     head_dim, dstate] fp32)``.
+
+    With ``seq_idx`` or ``cu_seqlens`` (see :func:`packed_sequences`) the batch of one holds several sequences
+    packed along time; each starts from its own ``initial_state`` row and ends in its own ``final_state`` row
+    (``[n_seqs, heads, head_dim, dstate]``). This reference simply runs each sequence alone.
     """
-    batch, time, heads, _ = x.shape
-    if dt.shape != (batch, time, heads) or A.shape != (heads,):
-        raise ValueError(f"ssd_chunk_scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)} disagree")
-    dtf = dt.float()
-    y, final = chunked_decay_scan(C, B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), chunk_size, initial_state)
-    if D is not None:
-        y = y + x.float() * (D.float().unsqueeze(-1) if D.dim() == 1 else D.float())
-    return y.to(x.dtype), final
+    bounds = packed_sequences(x.shape[0], x.shape[1], seq_idx, cu_seqlens)
+    if bounds is None:
+        return ssd_through(chunked_decay_scan, x, dt, A, B, C, chunk_size, D, initial_state)
+    n_seqs = len(bounds) - 1
+    if initial_state is not None and initial_state.shape[0] != n_seqs:
+        raise ValueError(f"ssd_chunk_scan: {n_seqs} packed sequences but {initial_state.shape[0]} initial states")
+    ys, finals = [], []
+    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        y, final = ssd_chunk_scan_ref(
+            x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], chunk_size, D,
+            initial_state=None if initial_state is None else initial_state[i : i + 1],
+        )
+        ys.append(y)
+        finals.append(final)
+    return torch.cat(ys, dim=1), torch.cat(finals)
