@@ -25,9 +25,17 @@ def causal_linear_attention_ref(
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(out [batch, heads, time, dim], final_state [batch, heads, dim, features] fp32)``."""
+    return linear_attention_through(chunked_decay_scan, q, k, v, log_decay, initial_state, chunk_size)
+
+
+def linear_attention_through(scan, q, k, v, log_decay, initial_state, chunk_size):
+    """Linear attention computed by a chunked decay ``scan`` in the ``[batch, time, heads, dim]`` layout.
+
+    Shared by this reference and the faster backends, which differ only in ``scan``.
+    """
     if k.shape != q.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"causal_linear_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    y, final = chunked_decay_scan(
+    y, final = scan(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
         None if log_decay is None else log_decay.transpose(1, 2), chunk_size, initial_state,
     )

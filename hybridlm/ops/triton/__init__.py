@@ -1,0 +1,21 @@
+"""Triton kernels for the ops of :mod:`hybridlm.ops`, with the same signatures and results as the references.
+
+Importing this package imports Triton; the backend selection imports it only when it is asked for. The kernels
+are compiled for CUDA tensors, or run by Triton's CPU interpreter when ``TRITON_INTERPRET=1`` is set before
+this package is first imported (slow: for tests).
+"""
+
+from .causal_conv1d import causal_conv1d, causal_conv1d_update
+from .linear_attention import causal_linear_attention
+from .selective_scan import selective_scan
+from .ssd import ssd_chunk_scan
+from .state_update import selective_state_update
+
+__all__ = [
+    "causal_conv1d",
+    "causal_conv1d_update",
+    "causal_linear_attention",
+    "selective_scan",
+    "selective_state_update",
+    "ssd_chunk_scan",
+]

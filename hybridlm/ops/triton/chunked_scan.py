@@ -1,0 +1,374 @@
+"""Chunked scan with a scalar decay per head, in Triton: the kernels behind SSD and gated linear attention.
+
+Computes what :func:`hybridlm.ops.ssd.chunked_decay_scan` computes::
+
+    S[t] = exp(g[t]) * S[t-1] + v[t] (outer) k[t]        y[t] = S[t] @ q[t]
+
+in four kernels: ``chunk_cumsum`` (log decay summed inside each chunk), ``chunk_state`` (the state each chunk
+adds), ``state_passing`` (chunk to chunk, sequentially), ``chunk_scan`` (outputs: the intra-chunk decay-masked
+product plus the entering state's contribution). Every kernel also runs in reversed time (``REVERSE``), and
+the backward pass is these same kernels with roles swapped:
+
+* ``dS`` entering each chunk from the right: ``chunk_state`` (reversed) of ``dy`` against ``q``, carried by
+  ``state_passing`` (reversed), which also yields the initial state's gradient;
+* ``dq = chunk_scan(dy, v, k, S^T)``, ``dk = chunk_scan_reversed(v, dy, q, dS^T)``,
+  ``dv = chunk_scan_reversed(k, q, dy, dS)``;
+* ``dg``: the gradient of the cumulative decay, ``q.dq - k.dk`` (plus ``dS . S`` at each chunk's last token),
+  summed in reverse by ``chunk_cumsum`` (reversed).
+
+Plain torch between kernels: those dot products per token, the sum of per-head ``dq, dk`` over the heads of a
+group, and the chunk-end states ``dS . S`` (all elementwise). Chunks never cross a sequence, so fixed-length
+batches and packed variable-length batches (one initial/final state per sequence) are the same code: a table of
+chunks, each a batch row and a time range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import block, cdiv, check_device, dot_dtype, launch, mm, new_buffer, running_total
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """The chunk table: chunk ``c`` is ``time[start[c]:end[c]]`` of batch row ``row[c]``; sequence ``s`` owns the
+    chunks ``first[s]:last[s]``. ``table`` packs ``row, start, end`` and ``seqs`` packs ``first, last``."""
+
+    table: torch.Tensor  # int32 [3, n_chunks]
+    seqs: torch.Tensor  # int32 [2, n_seqs]
+    size: int  # the longest chunk
+
+    @property
+    def count(self) -> int:
+        return self.table.shape[1]
+
+    @property
+    def n_seqs(self) -> int:
+        return self.seqs.shape[1]
+
+
+def split_chunks(sequences: list[tuple[int, int, int]], chunk_size: int, device) -> Chunks:
+    """Cut each sequence ``(row, start, end)`` into chunks of ``chunk_size`` tokens (the last may be shorter)."""
+    rows, starts, ends, first, last = [], [], [], [], []
+    for row, start, end in sequences:
+        first.append(len(starts))
+        for s in range(start, end, chunk_size):
+            rows.append(row)
+            starts.append(s)
+            ends.append(min(s + chunk_size, end))
+        last.append(len(starts))
+    table = torch.tensor([rows, starts, ends], dtype=torch.int32).view(3, -1)
+    seqs = torch.tensor([first, last], dtype=torch.int32).view(2, -1)
+    return Chunks(table.to(device), seqs.to(device), chunk_size)
+
+
+# --- kernels ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _chunk_cumsum_kernel(
+    X, OUT, TABLE, n_chunks, time, sx_b, sx_t, sx_h, REVERSE: tl.constexpr, BLOCK_L: tl.constexpr
+):
+    """OUT[b, t, h] = sum of X over the chunk up to t (inclusive; from t to the chunk end when REVERSE)."""
+    c, h = tl.program_id(0), tl.program_id(1)
+    n_heads = tl.num_programs(1)
+    row = tl.load(TABLE + c)
+    start = tl.load(TABLE + n_chunks + c)
+    end = tl.load(TABLE + 2 * n_chunks + c)
+    t = start + tl.arange(0, BLOCK_L)
+    mask = t < end
+    x = tl.load(X + row * sx_b + t * sx_t + h * sx_h, mask=mask, other=0.0).to(tl.float32)
+    total = running_total(x, 0, REVERSE)
+    tl.store(OUT + (row * time + t) * n_heads + h, total, mask=mask)
+
+
+@triton.jit
+def _chunk_state_kernel(
+    K, V, G, OUT, TABLE, n_chunks, time,
+    sk_b, sk_t, sk_h, sk_d, k_ratio, sv_b, sv_t, sv_h, sv_d, v_ratio, DK, DV,
+    REVERSE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """OUT[c, h] = sum_s w[s] v[s] (outer) k[s] over chunk c: w = the decay from s to the chunk end, or, when
+    REVERSE, from the chunk start to s."""
+    c, pid = tl.program_id(0), tl.program_id(1)
+    n_vb = cdiv(DV, BLOCK_V)
+    h, vb = pid // n_vb, pid % n_vb
+    n_heads = tl.num_programs(1) // n_vb
+    row = tl.load(TABLE + c)
+    start = tl.load(TABLE + n_chunks + c)
+    end = tl.load(TABLE + 2 * n_chunks + c)
+    g_row = G + row * time * n_heads + h
+    g_end = tl.load(g_row + (end - 1) * n_heads)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_base = K + row * sk_b + (h // k_ratio) * sk_h + offs_k[None, :] * sk_d
+    v_base = V + row * sv_b + (h // v_ratio) * sv_h + offs_v[None, :] * sv_d
+    acc = tl.full((BLOCK_V, BLOCK_K), 0.0, tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        g = tl.load(g_row + offs_n * n_heads, mask=mask_n, other=0.0)
+        if REVERSE:
+            w = tl.exp(g)
+        else:
+            w = tl.exp(g_end - g)
+        w = tl.where(mask_n, w, 0.0)
+        k = tl.load(k_base + offs_n[:, None] * sk_t, mask=mask_n[:, None] & (offs_k[None, :] < DK), other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * sv_t, mask=mask_n[:, None] & (offs_v[None, :] < DV), other=0.0)
+        acc += mm(tl.trans(v.to(tl.float32) * w[:, None]), k, DOT_DTYPE)
+    out = OUT + ((c * n_heads + h) * DV + offs_v[:, None]) * DK + offs_k[None, :]
+    tl.store(out, acc, mask=(offs_v[:, None] < DV) & (offs_k[None, :] < DK))
+
+
+@triton.jit
+def _state_passing_kernel(
+    ADDED, G, INIT, OUT, FINAL, TABLE, SEQS, n_chunks, n_seqs, time, SIZE,
+    HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Carry the state through the chunks of sequence s: OUT[c] is the state entering chunk c (in scan order),
+    then state = exp(total decay of c) * state + ADDED[c]; FINAL[s] is the state after the last chunk."""
+    s, h, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_heads = tl.num_programs(1)
+    offs = pb * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < SIZE
+    if HAS_INIT:
+        state = tl.load(INIT + (s * n_heads + h) * SIZE + offs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        state = tl.full((BLOCK,), 0.0, tl.float32)
+    first = tl.load(SEQS + s)
+    last = tl.load(SEQS + n_seqs + s)
+    for i in range(0, last - first):
+        if REVERSE:
+            c = last - 1 - i
+        else:
+            c = first + i
+        tl.store(OUT + (c * n_heads + h) * SIZE + offs, state, mask=mask)
+        row = tl.load(TABLE + c)
+        end = tl.load(TABLE + 2 * n_chunks + c)
+        decay = tl.exp(tl.load(G + (row * time + end - 1) * n_heads + h))
+        state = decay * state + tl.load(ADDED + (c * n_heads + h) * SIZE + offs, mask=mask, other=0.0)
+    tl.store(FINAL + (s * n_heads + h) * SIZE + offs, state, mask=mask)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    Q, K, V, S, G, OUT, TABLE, n_chunks, time,
+    sq_b, sq_t, sq_h, sq_d, q_ratio, sk_b, sk_t, sk_h, sk_d, k_ratio, sv_b, sv_t, sv_h, sv_d, v_ratio,
+    ss_c, ss_h, ss_v, ss_k, DK, DV,
+    REVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """OUT[t] = sum_{s <= t in the chunk} (q[t].k[s]) decay(s -> t) v[t] + decay(start -> t) S[c] q[t].
+
+    When REVERSE, time runs backwards: s >= t, decay(t -> s), and S[c] arrives from the chunk's end. Tensors
+    are [batch, time, heads or groups, dim] (strides given; head h reads group h // ratio); S is [chunk, head,
+    DV, DK] through its strides, so a transposed state is a stride swap. OUT is [batch, time, head, DV] fp32.
+    """
+    c, mb, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_vb = cdiv(DV, BLOCK_V)
+    h, vb = pid // n_vb, pid % n_vb
+    n_heads = tl.num_programs(2) // n_vb
+    row = tl.load(TABLE + c)
+    start = tl.load(TABLE + n_chunks + c)
+    end = tl.load(TABLE + 2 * n_chunks + c)
+    m0 = start + mb * BLOCK_M
+    if m0 >= end:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_m = offs_m < end
+    mask_k = offs_k < DK
+    mask_v = offs_v < DV
+    g_row = G + row * time * n_heads + h
+    g_m = tl.load(g_row + offs_m * n_heads, mask=mask_m, other=0.0)
+    q = tl.load(Q + row * sq_b + offs_m[:, None] * sq_t + (h // q_ratio) * sq_h + offs_k[None, :] * sq_d,
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+
+    state = tl.load(S + c * ss_c + h * ss_h + offs_v[None, :] * ss_v + offs_k[:, None] * ss_k,
+                    mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]: S^T
+    if REVERSE:
+        w_state = tl.exp(tl.load(g_row + (end - 1) * n_heads) - g_m)
+    else:
+        w_state = tl.exp(g_m)
+    acc = mm(q, state, DOT_DTYPE) * w_state[:, None]
+
+    if REVERSE:
+        lo, hi = m0, end
+    else:
+        lo, hi = start, tl.minimum(m0 + BLOCK_M, end)
+    k_base = K + row * sk_b + (h // k_ratio) * sk_h + offs_k[None, :] * sk_d
+    v_base = V + row * sv_b + (h // v_ratio) * sv_h + offs_v[None, :] * sv_d
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        g_n = tl.load(g_row + offs_n * n_heads, mask=mask_n, other=0.0)
+        k = tl.load(k_base + offs_n[:, None] * sk_t, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * sv_t, mask=mask_n[:, None] & mask_v[None, :], other=0.0)
+        scores = mm(q, tl.trans(k), DOT_DTYPE)
+        if REVERSE:
+            keep = offs_n[None, :] >= offs_m[:, None]
+            decay = tl.exp(g_n[None, :] - g_m[:, None])
+        else:
+            keep = offs_n[None, :] <= offs_m[:, None]
+            decay = tl.exp(g_m[:, None] - g_n[None, :])
+        p = tl.where(keep & mask_n[None, :], scores * decay, 0.0)
+        acc += mm(p, v, DOT_DTYPE)
+    out = OUT + ((row * time + offs_m[:, None]) * n_heads + h) * DV + offs_v[None, :]
+    tl.store(out, acc, mask=mask_m[:, None] & mask_v[None, :])
+
+
+# --- launchers --------------------------------------------------------------------------------------------
+
+
+def _strides(x: torch.Tensor, heads: int) -> tuple[int, ...]:
+    """Strides of a [batch, time, heads-or-groups, dim] tensor and the heads that share one of its slices."""
+    return (*x.stride(), heads // x.shape[2])
+
+
+def chunk_cumsum(x: torch.Tensor, chunks: Chunks, reverse: bool = False) -> torch.Tensor:
+    """``x [batch, time, heads]`` summed inside each chunk (fp32, contiguous)."""
+    batch, time, heads = x.shape
+    out = new_buffer((batch, time, heads), x, torch.float32)
+    launch(_chunk_cumsum_kernel, (chunks.count, heads), x, out, chunks.table, chunks.count, time, *x.stride(),
+           REVERSE=reverse, BLOCK_L=block(chunks.size, minimum=1))
+    return out
+
+
+def chunk_state(k, v, g_cum, chunks: Chunks, reverse: bool = False) -> torch.Tensor:
+    """The state each chunk adds: ``[n_chunks, heads, dim_v, dim_k]`` fp32."""
+    heads, dv, dk = v.shape[2], v.shape[3], k.shape[3]
+    out = new_buffer((chunks.count, heads, dv, dk), v, torch.float32)
+    block_v = block(dv, maximum=64)
+    launch(
+        _chunk_state_kernel, (chunks.count, heads * triton.cdiv(dv, block_v)),
+        k, v, g_cum, out, chunks.table, chunks.count, g_cum.shape[1], *_strides(k, heads), *_strides(v, heads),
+        dk, dv, REVERSE=reverse, BLOCK_N=block(chunks.size, maximum=64), BLOCK_K=block(dk), BLOCK_V=block_v,
+        DOT_DTYPE=dot_dtype(k, v),
+    )
+    return out
+
+
+def state_passing(added, g_cum, initial, chunks: Chunks, reverse: bool = False):
+    """States entering each chunk ``[n_chunks, heads, dim_v, dim_k]`` and after each sequence ``[n_seqs, ...]``."""
+    heads, size = added.shape[1], added.shape[2] * added.shape[3]
+    entering = new_buffer(added.shape, added)
+    final = new_buffer((chunks.n_seqs, *added.shape[1:]), added)
+    block_size = block(size, maximum=1024)
+    launch(
+        _state_passing_kernel, (chunks.n_seqs, heads, triton.cdiv(size, block_size)),
+        added, g_cum, initial.contiguous() if initial is not None else added, entering, final,
+        chunks.table, chunks.seqs, chunks.count, chunks.n_seqs, g_cum.shape[1], size,
+        HAS_INIT=initial is not None, REVERSE=reverse, BLOCK=block_size,
+    )
+    return entering, final
+
+
+def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False) -> torch.Tensor:
+    """Outputs ``[batch, time, heads, dim_v]`` fp32; ``states`` is ``[n_chunks, heads, dim_v, dim_k]`` (any
+    strides)."""
+    batch, time, heads, dv = g_cum.shape[0], g_cum.shape[1], g_cum.shape[2], v.shape[3]
+    dk = q.shape[3]
+    out = new_buffer((batch, time, heads, dv), v, torch.float32)
+    block_m, block_v = block(chunks.size, maximum=64), block(dv, maximum=64)
+    launch(
+        _chunk_scan_kernel, (chunks.count, triton.cdiv(chunks.size, block_m), heads * triton.cdiv(dv, block_v)),
+        q, k, v, states, g_cum, out, chunks.table, chunks.count, time,
+        *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), dk, dv,
+        REVERSE=reverse, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_K=block(dk), BLOCK_V=block_v,
+        DOT_DTYPE=dot_dtype(q, k, v),
+    )
+    return out
+
+
+# --- autograd ---------------------------------------------------------------------------------------------
+
+
+def _chunk_end_gradient(d_after, entering, added, g_cum, chunks: Chunks) -> torch.Tensor:
+    """``dS . S`` at each chunk's end (the gradient of the chunk's total log decay), scattered to its last token."""
+    row, end = chunks.table[0].long(), chunks.table[2].long() - 1
+    total = g_cum[row, end]  # [n_chunks, heads]
+    after = entering * torch.exp(total)[..., None, None] + added
+    out = torch.zeros_like(g_cum)
+    out[row, end] = (d_after * after).sum((-2, -1))
+    return out
+
+
+def _per_group(x_heads: torch.Tensor, groups: int) -> torch.Tensor:
+    """Sum per-head gradients ``[batch, time, heads, dim]`` over the heads that share a group's slice."""
+    batch, time, heads, dim = x_heads.shape
+    return x_heads.view(batch, time, groups, heads // groups, dim).sum(3)
+
+
+def _dot_per_head(x_heads: torch.Tensor, x_groups: torch.Tensor) -> torch.Tensor:
+    """``sum_d x_heads[b, t, h, d] * x_groups[b, t, h // ratio, d]`` -> ``[batch, time, heads]``."""
+    batch, time, heads, dim = x_heads.shape
+    groups = x_groups.shape[2]
+    return (x_heads.view(batch, time, groups, heads // groups, dim) * x_groups.float().unsqueeze(3)).sum(-1).flatten(2)
+
+
+class _ChunkedScan(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, log_decay, initial_state, chunks: Chunks):
+        g_cum = chunk_cumsum(log_decay, chunks)
+        added = chunk_state(k, v, g_cum, chunks)
+        entering, final = state_passing(added, g_cum, initial_state, chunks)
+        y = chunk_scan(q, k, v, entering, g_cum, chunks)
+        ctx.save_for_backward(q, k, v, g_cum, initial_state)
+        ctx.chunks, ctx.decay_dtype = chunks, log_decay.dtype
+        return y, final
+
+    @staticmethod
+    def backward(ctx, dy, d_final):
+        q, k, v, g_cum, initial_state = ctx.saved_tensors
+        chunks = ctx.chunks
+        groups = q.shape[2]
+        added = chunk_state(k, v, g_cum, chunks)
+        entering, _ = state_passing(added, g_cum, initial_state, chunks)
+        direct = chunk_state(q, dy, g_cum, chunks, reverse=True)
+        d_after, d_initial = state_passing(direct, g_cum, d_final, chunks, reverse=True)
+        dq = chunk_scan(dy, v, k, entering.transpose(2, 3), g_cum, chunks)
+        dk = chunk_scan(v, dy, q, d_after.transpose(2, 3), g_cum, chunks, reverse=True)
+        dv = chunk_scan(k, q, dy, d_after, g_cum, chunks, reverse=True)
+        d_cum = _dot_per_head(dq, q) - _dot_per_head(dk, k)
+        d_cum += _chunk_end_gradient(d_after, entering, added, g_cum, chunks)
+        d_log_decay = chunk_cumsum(d_cum, chunks, reverse=True)
+        return (
+            _per_group(dq, groups).to(q.dtype), _per_group(dk, groups).to(k.dtype), dv.to(v.dtype),
+            d_log_decay.to(ctx.decay_dtype), d_initial.to(initial_state.dtype) if initial_state is not None else None,
+            None,
+        )
+
+
+def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, sequences=None):
+    """Triton version of :func:`hybridlm.ops.ssd.chunked_decay_scan`, differentiable in every tensor input.
+
+    ``sequences``: ``None`` for a fixed-length batch (one state per row), or the boundaries ``[0, ..., time]``
+    of sequences packed along time (batch 1, one initial/final state per sequence).
+    """
+    batch, time, heads, dim_v = v.shape
+    groups = q.shape[2]
+    if k.shape != q.shape or q.shape[:2] != v.shape[:2] or heads % groups:
+        raise ValueError(
+            f"chunked scan: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} disagree "
+            "(need q, k [batch, time, groups, dim_k], v [batch, time, heads, dim_v], heads divisible by groups)"
+        )
+    if chunk_size < 1:
+        raise ValueError(f"chunked scan: chunk_size must be >= 1, got {chunk_size}")
+    check_device("chunked scan", q, k, v, log_decay, initial_state)
+    if sequences is None:
+        spans = [(b, 0, time) for b in range(batch)]
+    else:
+        spans = [(0, start, end) for start, end in zip(sequences[:-1], sequences[1:])]
+    expected_state = (len(spans), heads, dim_v, q.shape[3])
+    if initial_state is not None and initial_state.shape != expected_state:
+        raise ValueError(f"chunked scan: initial_state must be {expected_state}, got {tuple(initial_state.shape)}")
+    if log_decay is None:
+        log_decay = v.new_zeros(batch, time, heads, dtype=torch.float32)
+    chunks = split_chunks(spans, max(1, min(chunk_size, time)), v.device)
+    return _ChunkedScan.apply(q, k, v, log_decay, initial_state, chunks)

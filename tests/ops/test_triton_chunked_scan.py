@@ -1,0 +1,118 @@
+"""Triton SSD and linear-attention kernels (one chunked scan) against the PyTorch references."""
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from hybridlm.ops.linear_attention import causal_linear_attention_ref
+from hybridlm.ops.ssd import ssd_chunk_scan_ref
+
+from .triton_support import DEVICE, check_against_reference, kernels, new_buffer, poisoned_outputs, randn, uniform
+
+
+def ssd_inputs(batch, length, groups, heads, head_dim, dstate, with_state, d_kind):
+    return dict(
+        x=randn(batch, length, heads, head_dim), dt=uniform(batch, length, heads, low=0.05, high=0.6),
+        A=-uniform(heads, low=0.3, high=1.5), B=randn(batch, length, groups, dstate),
+        C=randn(batch, length, groups, dstate),
+        D={None: None, "head": randn(heads), "channel": randn(heads, head_dim)}[d_kind],
+        initial_state=randn(batch, heads, head_dim, dstate) if with_state else None,
+    )
+
+
+@settings(max_examples=8)
+@given(
+    batch=st.integers(1, 2), length=st.integers(1, 24), groups=st.sampled_from([1, 2]),
+    heads_per_group=st.sampled_from([1, 2]), head_dim=st.integers(1, 8), dstate=st.integers(1, 8),
+    chunk=st.sampled_from([5, 8, 16]), with_state=st.booleans(), d_kind=st.sampled_from([None, "head", "channel"]),
+)
+@example(batch=2, length=37, groups=2, heads_per_group=2, head_dim=5, dstate=6, chunk=8, with_state=True,
+         d_kind="head")
+def test_ssd_matches_reference(batch, length, groups, heads_per_group, head_dim, dstate, chunk, with_state, d_kind):
+    torch.manual_seed(0)
+    inputs = ssd_inputs(batch, length, groups, groups * heads_per_group, head_dim, dstate, with_state, d_kind)
+    check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=chunk)
+
+
+@pytest.mark.parametrize("packing", ["cu_seqlens", "seq_idx"])
+def test_packed_ssd_equals_each_sequence_alone(packing):
+    """One packed batch (an empty sequence, lengths off the chunk grid) against the reference, which runs each
+    sequence alone from its own initial state."""
+    torch.manual_seed(1)
+    lengths = [5, 11, 0, 7] if packing == "cu_seqlens" else [5, 11, 7]
+    bounds = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    inputs = ssd_inputs(1, int(bounds[-1]), 2, 4, 3, 5, False, "head")
+    inputs["initial_state"] = randn(len(lengths), 4, 3, 5)
+    if packing == "cu_seqlens":
+        inputs["cu_seqlens"] = bounds
+    else:
+        inputs["seq_idx"] = torch.repeat_interleave(torch.arange(len(lengths), device=DEVICE),
+                                                    torch.tensor(lengths, device=DEVICE))[None]
+    check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=4)
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_linear_attention_matches_reference(decay):
+    torch.manual_seed(2)
+    batch, heads, length, features, dim = 2, 2, 21, 6, 5
+    inputs = dict(
+        q=uniform(batch, heads, length, features, low=0.0, high=1.0),
+        k=uniform(batch, heads, length, features, low=0.0, high=1.0), v=randn(batch, heads, length, dim),
+        log_decay=-uniform(batch, heads, length, low=0.0, high=0.5) if decay else None,
+        initial_state=randn(batch, heads, dim, features).abs(),
+    )
+    check_against_reference(kernels.causal_linear_attention, causal_linear_attention_ref, inputs, chunk_size=8)
+
+
+def test_decode_steps_equal_the_chunked_scan():
+    """Mamba-2 decode: the state update kernel token by token (raw dt through dt_bias and softplus, broadcast
+    A and D as the mixer passes them) ends where the chunked scan over the whole sequence ends."""
+    torch.manual_seed(3)
+    batch, length, groups, heads, head_dim, dstate = 2, 9, 2, 4, 3, 5
+    inputs = ssd_inputs(batch, length, groups, heads, head_dim, dstate, True, "head")
+    raw_dt, dt_bias = randn(batch, length, heads), randn(heads, scale=0.5)
+    dt = torch.nn.functional.softplus(raw_dt + dt_bias)
+    y_scan, final = kernels.ssd_chunk_scan(**{**inputs, "dt": dt}, chunk_size=4)
+
+    state = inputs["initial_state"].clone()
+    expand = (heads, head_dim)
+    steps = [
+        kernels.selective_state_update(
+            state, inputs["x"][:, t], raw_dt[:, t, :, None].expand(batch, *expand),
+            inputs["A"][:, None, None].expand(*expand, dstate), inputs["B"][:, t], inputs["C"][:, t],
+            D=inputs["D"][:, None].expand(*expand), dt_bias=dt_bias[:, None].expand(*expand), dt_softplus=True,
+        )
+        for t in range(length)
+    ]
+    torch.testing.assert_close(torch.stack(steps, 1), y_scan, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(state, final, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_are_named():
+    x, dt, A, B, C = randn(1, 6, 2, 3), randn(1, 6, 2), randn(2), randn(1, 6, 1, 4), randn(1, 6, 1, 4)
+    with pytest.raises(ValueError, match="initial_state"):
+        kernels.ssd_chunk_scan(x, dt, A, B, C, 4, initial_state=randn(2, 2, 3, 4))
+    with pytest.raises(ValueError, match="batch size 1"):
+        kernels.ssd_chunk_scan(x.expand(2, -1, -1, -1), dt.expand(2, -1, -1), A, B.expand(2, -1, -1, -1),
+                               C.expand(2, -1, -1, -1), 4, cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="disagree"):
+        kernels.ssd_chunk_scan(x, dt[:, :5], A, B, C, 4)
+    with pytest.raises(ValueError, match="chunk_size"):
+        kernels.ssd_chunk_scan(x, dt, A, B, C, 0)
+
+
+
+def test_poisoning_reaches_the_kernel_buffers():
+    """The NaN checks are only as good as the poisoning: a buffer a kernel must fill starts as NaN."""
+    with poisoned_outputs():
+        assert new_buffer((4, 3), randn(1)).isnan().all()
+
+
+def test_no_tokens_keep_the_initial_state():
+    state = randn(2, 2, 3, 4)
+    with poisoned_outputs():
+        y, final = kernels.ssd_chunk_scan(randn(2, 0, 2, 3), randn(2, 0, 2), randn(2), randn(2, 0, 1, 4),
+                                          randn(2, 0, 1, 4), 4, initial_state=state)
+    assert y.shape == (2, 0, 2, 3)
+    torch.testing.assert_close(final, state, rtol=0, atol=0)
