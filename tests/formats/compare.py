@@ -94,3 +94,12 @@ def check_all(hf_model, ours, vocab_size: int, length: int = 13) -> None:
     check_greedy(hf_model, ours, ids[:1, :7])
     check_left_padding(ours, vocab_size)
     check_continuation(ours, ids)
+
+
+@torch.no_grad()
+def check_beam_search(hf_model, ours, prompt: torch.Tensor, new_tokens: int = 6, beams: int = 3) -> None:
+    """Beam search, which reorders the cache rows at every step, returns the same beams as transformers."""
+    kwargs = dict(num_beams=beams, num_return_sequences=2, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0)
+    expected, got = hf_model.generate(prompt, **kwargs), ours.generate(prompt, **kwargs)
+    assert torch.equal(expected, got), f"beams differ:\n{expected}\n{got}"

@@ -10,7 +10,15 @@ import transformers
 
 import hybridlm
 
-from .compare import check_all, check_continuation, check_logits, random_ids, randomize, save_and_load
+from .compare import (
+    check_all,
+    check_beam_search,
+    check_continuation,
+    check_logits,
+    random_ids,
+    randomize,
+    save_and_load,
+)
 
 VOCAB = 256
 MULTIPLIERS = dict(embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipliers=[0.8, 1.3], key_multiplier=0.6,
@@ -67,3 +75,21 @@ def test_unsupported_settings_are_named(falcon, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"falcon_h1 checkpoint .*mlp_bias=True.*projectors_bias=True"):
         hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
+
+
+def test_beam_search_reorders_falcon_states(falcon):
+    """Beam search selects cache rows every step, parallel layers' grouped states included."""
+    hf, ours, _ = falcon
+    check_beam_search(hf, ours, random_ids(VOCAB, 1, 6))
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(layer_types=["attention+attention"]), r"layer_types\[0\]"),
+    (dict(layer_types=["attention+mamba2"], mamba2_norm="rms"), "mamba2_norm"),
+    (dict(layer_types=["mamba2"], mamba2_inner_size=100, mamba2_head_dim=16), "mamba2_head_dim"),
+    (dict(embedding_multiplier=0.0), "embedding_multiplier"),
+    (dict(logits_multiplier=float("inf")), "logits_multiplier"),
+])
+def test_options_are_validated(options, field):
+    with pytest.raises(ValueError, match=f"HybridConfig.{field}"):
+        hybridlm.HybridConfig(**{"mamba2_head_dim": 16, **options})

@@ -140,3 +140,15 @@ def test_unsupported_settings_are_named(nemotron, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"mlp_hidden_act='silu'.*moe_latent_size=16"):
         hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(moe_num_groups=2), "moe_num_groups"),  # groups need the sigmoid router
+    (dict(moe_router="sigmoid", num_experts=4, moe_num_groups=3), "moe_num_groups"),
+    (dict(moe_router="sigmoid", num_experts=4, moe_num_groups=2, num_experts_per_tok=3), "num_experts_per_tok"),
+    (dict(moe_router="top1"), "moe_router"),
+    (dict(layer_types=["none"], mlp_types=["none"]), "mlp_types"),
+])
+def test_options_are_validated(options, field):
+    with pytest.raises(ValueError, match=f"HybridConfig.{field}"):
+        hybridlm.HybridConfig(**{"layer_types": ["mamba2"], "mamba2_head_dim": 16, **options})

@@ -12,7 +12,15 @@ from safetensors.torch import load_file, save_file
 
 import hybridlm
 
-from .compare import check_all, check_continuation, check_logits, random_ids, randomize, save_and_load
+from .compare import (
+    check_all,
+    check_beam_search,
+    check_continuation,
+    check_logits,
+    random_ids,
+    randomize,
+    save_and_load,
+)
 
 VOCAB = 256
 
@@ -85,3 +93,20 @@ def test_unsupported_settings_are_named(zamba2, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"zamba2 checkpoint .*add_bias_linear=True.*rms_norm_eps=1e-06"):
         hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
+
+
+def test_beam_search_reorders_zamba2_states(zamba2):
+    """Beam search selects cache rows every step, shared blocks' KV states included."""
+    hf, ours, _ = zamba2
+    check_beam_search(hf, ours, random_ids(VOCAB, 1, 6))
+
+
+@pytest.mark.parametrize("options, field", [
+    (dict(shared_block_layers=[2, 1]), "shared_block_layers"),
+    (dict(shared_block_layers=[3]), "shared_block_layers"),
+    (dict(shared_block_layers=[0, 1], num_shared_blocks=3), "num_shared_blocks"),
+    (dict(shared_block_layers=[1], shared_block_attention_adapters=True), "shared_block_attention_adapters"),
+])
+def test_shared_block_options_are_validated(options, field):
+    with pytest.raises(ValueError, match=f"HybridConfig.{field}"):
+        hybridlm.HybridConfig(layer_types=["mamba2"] * 3, mamba2_head_dim=16, **options)
