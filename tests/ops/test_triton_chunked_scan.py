@@ -52,6 +52,15 @@ def test_packed_ssd_equals_each_sequence_alone(packing):
     check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=4)
 
 
+def test_bf16_inputs_keep_their_dtype():
+    """bf16 in, bf16 out (and bf16 gradients), fp32 states, within a few bf16 roundings of the reference."""
+    torch.manual_seed(4)
+    inputs = ssd_inputs(1, 19, 1, 2, 4, 8, True, "head")
+    inputs = {k: v.bfloat16() if k in ("x", "dt", "B", "C") else v for k, v in inputs.items()}
+    y, final = check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, rel=1e-2, chunk_size=8)
+    assert (y.dtype, final.dtype) == (torch.bfloat16, torch.float32)
+
+
 @pytest.mark.parametrize("decay", [False, True])
 def test_linear_attention_matches_reference(decay):
     torch.manual_seed(2)

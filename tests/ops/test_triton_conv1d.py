@@ -26,6 +26,15 @@ def test_conv_matches_reference(batch, channels, length, width, activation, with
     check_against_reference(kernels.causal_conv1d, causal_conv1d_ref, inputs, activation=activation)
 
 
+def test_bf16_inputs_keep_their_dtype():
+    """bf16 in, bf16 out and window (and gradients), within a few bf16 roundings of the reference."""
+    torch.manual_seed(2)
+    inputs = dict(x=randn(2, 5, 11), weight=randn(5, 4), bias=randn(5), initial_state=randn(2, 5, 3))
+    inputs = {k: v.bfloat16() for k, v in inputs.items()}
+    y, final = check_against_reference(kernels.causal_conv1d, causal_conv1d_ref, inputs, rel=1e-2, activation="silu")
+    assert (y.dtype, final.dtype) == (torch.bfloat16, torch.bfloat16)
+
+
 def test_decode_steps_equal_the_sequence():
     """The update kernel token by token gives the outputs and the window of one pass over the sequence."""
     torch.manual_seed(1)

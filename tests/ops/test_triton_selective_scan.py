@@ -38,6 +38,16 @@ def test_selective_scan_matches_reference(batch, channels_per_group, groups, len
                             chunk_size=chunk)
 
 
+def test_bf16_inputs_keep_their_dtype():
+    """bf16 in, bf16 out (and bf16 gradients), an fp32 state, within a few bf16 roundings of the reference."""
+    torch.manual_seed(2)
+    inputs = scan_inputs(2, 4, 13, 3, 2, {"D", "z", "state"})
+    inputs = {k: v.bfloat16() if k in ("u", "delta", "B", "C", "z") else v for k, v in inputs.items()}
+    y, final = check_against_reference(kernels.selective_scan, selective_scan_ref, inputs, rel=1e-2,
+                                       delta_softplus=True)
+    assert (y.dtype, final.dtype) == (torch.bfloat16, torch.float32)
+
+
 def test_decode_steps_equal_the_scan():
     """Mamba-1 decode: the state update kernel token by token equals the scan over the whole sequence."""
     torch.manual_seed(1)

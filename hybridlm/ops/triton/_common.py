@@ -64,7 +64,12 @@ def block(n: int, minimum: int = 16, maximum: int | None = None) -> int:
 
 
 def dot_dtype(*tensors: torch.Tensor):
-    """Operand type of the tile products: the inputs' half type if there is one, else fp32 (computed exactly)."""
+    """Operand type of the tile products: the inputs' half type if there is one, else fp32 (computed exactly).
+
+    Triton's CPU interpreter (3.9) returns garbage for products of bf16 tiles, so there it is always fp32.
+    """
+    if INTERPRETED:
+        return tl.float32
     for t in tensors:
         if t.dtype in (torch.bfloat16, torch.float16):
             return tl.bfloat16 if t.dtype == torch.bfloat16 else tl.float16

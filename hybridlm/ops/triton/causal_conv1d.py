@@ -175,7 +175,7 @@ class _CausalConv1d(torch.autograd.Function):
         ctx.options = dict(WIDTH=width, HAS_INIT=initial_state is not None, HAS_BIAS=bias is not None,
                            SILU=activation == "silu", BLOCK_C=block_c, BLOCK_T=_BLOCK_T)
         launch(_conv_fwd_kernel, (batch, triton.cdiv(channels, block_c), triton.cdiv(time, _BLOCK_T)),
-               x, init, weight.contiguous(), bias if bias is not None else weight, y, time, channels,
+               x, init, weight.contiguous(), bias.contiguous() if bias is not None else weight, y, time, channels,
                *x.stride(), *init.stride(), **ctx.options)
         ctx.save_for_backward(x, weight, bias, initial_state)
         return y, _final_window(x, initial_state, width)
@@ -192,7 +192,7 @@ class _CausalConv1d(torch.autograd.Function):
         dw = new_buffer((batch, n_tiles, channels, width), x, torch.float32)
         db = new_buffer((batch, n_tiles, channels), x, torch.float32)
         launch(_conv_bwd_pre_kernel, (batch, triton.cdiv(channels, block_c), n_tiles),
-               x, init, weight, bias if bias is not None else weight, dy, dpre, dw, db, time, channels,
+               x, init, weight, bias.contiguous() if bias is not None else weight, dy, dpre, dw, db, time, channels,
                *x.stride(), *init.stride(), *dy.stride(), **ctx.options)
         dx = new_buffer(x.shape, x, torch.float32)
         d_init = new_buffer((batch, channels, width - 1), x, torch.float32)
@@ -244,7 +244,7 @@ def causal_conv1d_update(
     y = new_buffer(x.shape, x)
     block_c = block(channels, maximum=256)
     launch(_conv_update_kernel, (batch, triton.cdiv(channels, block_c)),
-           x, conv_state, weight.contiguous(), bias if bias is not None else weight, y, channels,
+           x, conv_state, weight.contiguous(), bias.contiguous() if bias is not None else weight, y, channels,
            *x.stride(), *conv_state.stride(),
            WIDTH=width, HAS_BIAS=bias is not None, SILU=activation == "silu", BLOCK_C=block_c)
     return y

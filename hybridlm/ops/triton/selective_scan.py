@@ -203,7 +203,13 @@ def _shape_options(u, B, dstate, block_t):
 
 
 def _dummy(x, fallback):
+    """A stand-in pointer for an absent optional input (the kernel never reads it)."""
     return x if x is not None else fallback
+
+
+def _packed(x):
+    """Small per-channel tensors are read as contiguous arrays."""
+    return x.contiguous() if x is not None else None
 
 
 class _SelectiveScan(torch.autograd.Function):
@@ -218,8 +224,8 @@ class _SelectiveScan(torch.autograd.Function):
         states = new_buffer((batch, triton.cdiv(time, block_t), dim, dstate), u, torch.float32)
         launch(
             _scan_fwd_kernel, (batch, dim // blocks["BLOCK_D"]),
-            u, delta, A.contiguous(), B, C, _dummy(D, u), _dummy(z, u), _dummy(delta_bias, u),
-            _dummy(initial_state, u), y, final, states, time, dim, per_group, dstate,
+            u, delta, A.contiguous(), B, C, _dummy(_packed(D), u), _dummy(z, u), _dummy(_packed(delta_bias), u),
+            _dummy(_packed(initial_state), u), y, final, states, time, dim, per_group, dstate,
             *u.stride(), *delta.stride(), *B.stride(), *C.stride(), *_dummy(z, u).stride(),
             HAS_INIT=initial_state is not None, **flags, **blocks,
         )
@@ -242,7 +248,8 @@ class _SelectiveScan(torch.autograd.Function):
         d_init = new_buffer((batch, dim, dstate), u, torch.float32)
         launch(
             _scan_bwd_kernel, (batch, dim // ctx.blocks["BLOCK_D"]),
-            u, delta, A.contiguous(), B, C, _dummy(D, u), _dummy(z, u), _dummy(delta_bias, u), states, dy,
+            u, delta, A.contiguous(), B, C, _dummy(_packed(D), u), _dummy(z, u), _dummy(_packed(delta_bias), u),
+            states, dy,
             d_final.contiguous(), du, d_delta, _dummy(dz, du), dB, dC, dA, dD, d_bias, d_init,
             time, dim, per_group, dstate, n_groups,
             *u.stride(), *delta.stride(), *B.stride(), *C.stride(), *_dummy(z, u).stride(), *dy.stride(),
