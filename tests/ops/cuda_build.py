@@ -50,12 +50,15 @@ def _run(command: list[str]) -> str:
 
 
 def nvcc_compile(arch: str, out_dir: Path) -> str:
-    """Compiles every ``.cu`` file for ``sm_<arch>`` (two at a time); returns ptxas's report (``-Xptxas -v``):
+    """Compiles every ``.cu`` file for ``sm_<arch>`` with the flags torch's extension builder passes (two files at
+    a time); returns ptxas's report (``-Xptxas -v``):
     one "Compiling entry function '<mangled kernel>' for 'sm_<arch>'" line per kernel instantiated, with its
     registers and spills."""
+    from torch.utils.cpp_extension import COMMON_NVCC_FLAGS  # e.g. no implicit half conversions
+
     commands = [
-        [nvcc(), "-std=c++20", "-O3", "-Xptxas=-v", "-c", f"-gencode=arch=compute_{arch},code=sm_{arch}",
-         str(source), "-o", str(out_dir / f"{source.stem}_sm{arch}.o")]
+        [nvcc(), *COMMON_NVCC_FLAGS, "-std=c++20", "-O3", "--compiler-options=-fPIC", "-Xptxas=-v", "-c",
+         f"-gencode=arch=compute_{arch},code=sm_{arch}", str(source), "-o", str(out_dir / f"{source.stem}_sm{arch}.o")]
         for source in CUDA_SOURCES
     ]
     with ThreadPoolExecutor(2) as pool:

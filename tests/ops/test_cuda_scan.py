@@ -10,6 +10,8 @@ Two targets run the same kernel source through the same binding and autograd wra
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -118,6 +120,10 @@ def test_a_zero_length_scan_returns_the_initial_state(target):
     inputs = scan_inputs(target[1], 2, 4, 3, 0, 1, options=("initial_state",))
     y, final = cuda.scan_with(target[0], **inputs)
     assert y.shape == (2, 4, 0) and torch.equal(final, inputs["initial_state"])
+
+
+def test_cuda_selective_scan_has_the_reference_signature():
+    assert inspect.signature(cuda.selective_scan) == inspect.signature(selective_scan_ref)
 
 
 def test_cuda_selective_scan_checks_its_arguments_before_building():
