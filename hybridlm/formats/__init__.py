@@ -12,7 +12,15 @@ from pathlib import Path
 
 import torch
 
-from .base import CheckpointFormat, check_state, read_config, read_weights, resolve_directory
+from .base import (
+    CheckpointFormat,
+    check_expressible,
+    check_state,
+    read_config,
+    read_weights,
+    resolve_directory,
+    undeclared_options,
+)
 
 FORMATS: dict[str, CheckpointFormat] = {}
 
@@ -72,6 +80,7 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
         writable = sorted(name for name, f in FORMATS.items() if f.from_config is not None)
         raise ValueError(f"cannot export to model_type={model_type!r}; hybridlm writes "
                          f"{', '.join(['hybridlm'] + writable)}")
+    check_expressible(model_type, undeclared_options(model.config, fmt))
     foreign_config = fmt.from_config(model.config)  # raises, before anything is written, if the model does not fit
     foreign_config.setdefault("dtype", str(model.dtype).removeprefix("torch."))  # what dtype="auto" loads as
     out = Path(directory)

@@ -30,6 +30,8 @@ class CheckpointFormat:
     * ``from_config(config) -> foreign_config`` and ``export_weights(state, config) -> foreign_state``: the
       inverse, for formats hybridlm can write (None otherwise).
     * ``matches(foreign_config)``: recognises the format when ``model_type`` alone does not (mamba-ssm).
+    * ``options``: the fields of :data:`EXPORT_OPTIONS` that ``from_config`` handles itself; export refuses a
+      model that sets any other of them.
     """
 
     model_type: str
@@ -38,6 +40,16 @@ class CheckpointFormat:
     from_config: Callable[[HybridConfig], dict] | None = None
     export_weights: Callable[[StateDict, HybridConfig], StateDict] | None = None
     matches: Callable[[dict], bool] | None = None
+    options: frozenset[str] = frozenset()
+
+
+#: Options that express other architectures' quirks, with the value a format that does not declare them in
+#: ``CheckpointFormat.options`` needs: a checkpoint written without them would compute something else.
+EXPORT_OPTIONS = {
+    "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_multiplier": 1.0, "attention_scale": None,
+    "mamba2_inner_size": None, "mamba2_norm": "gated", "moe_router": "softmax", "moe_routed_scaling": 1.0,
+    "shared_block_layers": None,
+}
 
 
 class RenameRules:
@@ -239,6 +251,11 @@ def rope_settings(foreign_config: dict, default_partial_rotary_factor: float = 1
     factor = rope["partial_rotary_factor"]
     return {"rope_theta": float(rope["rope_theta"] if rope["rope_theta"] is not None else 10000.0),
             "partial_rotary_factor": float(factor if factor is not None else default_partial_rotary_factor)}
+
+
+def undeclared_options(config: HybridConfig, fmt: CheckpointFormat) -> list[str]:
+    """Export problems: the :data:`EXPORT_OPTIONS` that ``config`` sets and ``fmt`` does not handle."""
+    return differences(config, {name: value for name, value in EXPORT_OPTIONS.items() if name not in fmt.options})
 
 
 def differences(config: HybridConfig, required: dict) -> list[str]:

@@ -70,7 +70,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         layer_types=["attention+mamba2"] * n,
         mlp_types=["dense"] * n,
         head_dim=fc.get("head_dim") or fc["hidden_size"] // fc["num_attention_heads"],
-        mamba2_inner_size=fc["mamba_d_ssm"] or fc["mamba_expand"] * fc["hidden_size"],
+        mamba2_inner_size=fc["mamba_d_ssm"] if fc["mamba_d_ssm"] != fc["mamba_expand"] * fc["hidden_size"] else None,
         mamba2_norm=_mamba2_norm(fc),
         mamba2_dt_limit=fc.get("time_step_limit"),  # None means no limit
     )

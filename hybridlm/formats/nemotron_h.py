@@ -77,6 +77,12 @@ def block_rules(config: HybridConfig) -> RenameRules:
     return RenameRules(pairs)
 
 
+def _inner_size(fc: dict) -> int | None:
+    """Nemotron-H's Mamba-2 width, when ``expand * hidden_size`` does not say it already."""
+    inner = fc["mamba_num_heads"] * fc["mamba_head_dim"]
+    return None if inner == fc["expand"] * fc["hidden_size"] else inner
+
+
 def to_config(foreign_config: dict) -> HybridConfig:
     fc = with_transformers_defaults(foreign_config)
     require_settings(fc, {"mlp_hidden_act": ("relu2",), "mamba_hidden_act": ("silu",), "moe_latent_size": (None,),
@@ -90,7 +96,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         partial_rotary_factor=0.0,  # no positional encoding in attention
         mlp_activation="relu2",
         moe_router="sigmoid",
-        mamba2_inner_size=fc["mamba_num_heads"] * fc["mamba_head_dim"],
+        mamba2_inner_size=_inner_size(fc),
         mamba2_dt_min=fc["time_step_min"],
         mamba2_dt_limit=[fc["time_step_min"], float("inf")],  # what the mixer applies, whatever time_step_limit says
     )
@@ -110,10 +116,6 @@ def from_config(config: HybridConfig) -> dict:
     if mixers - {"mamba2", "attention"}:
         problems.append(f"Nemotron-H mixers are 'mamba2' or 'attention', this model has "
                         f"{sorted(mixers - {'mamba2', 'attention'})}")
-    if config.shared_block_layers:
-        problems.append("shared blocks (shared_block_layers) have no Nemotron-H equivalent")
-    problems += differences(config, {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
-                                     "logits_multiplier": 1.0})
     if "attention" in mixers:
         problems += differences(config, {"partial_rotary_factor": 0.0, "attention_bias": False,
                                          "attention_scale": None, "sliding_window": None})
@@ -150,6 +152,7 @@ def export_weights(state: StateDict, config: HybridConfig) -> StateDict:
     return rename_state(state, block_rules(config), to_ours=False)
 
 
-FORMAT = register(CheckpointFormat("nemotron_h", to_config, import_weights, from_config, export_weights))
+FORMAT = register(CheckpointFormat("nemotron_h", to_config, import_weights, from_config, export_weights,
+                                   options=frozenset({"moe_router", "moe_routed_scaling", "mamba2_inner_size"})))
 
 __all__ = ["FORMAT", "blocks"]

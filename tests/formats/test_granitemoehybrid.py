@@ -81,3 +81,15 @@ def test_unsupported_activation_is_named(granite, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"granitemoehybrid checkpoint uses settings .*hidden_act='gelu'"):
         hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("target", ["bamba", "nemotron_h"])
+def test_multipliers_block_export_to_formats_without_them(granite, target, tmp_path):
+    """A format that cannot hold Granite's multipliers refuses the model instead of writing other logits."""
+    _, ours, _ = granite
+    with pytest.raises(ValueError, match=f"cannot be written as {target}") as error:
+        ours.save_pretrained(tmp_path / "out", format=target)
+    for option in ("embedding_multiplier=2.0", "residual_multiplier=0.5", "logits_multiplier=0.33",
+                   "attention_scale=0.1"):
+        assert option in str(error.value)
+    assert not (tmp_path / "out").exists()
