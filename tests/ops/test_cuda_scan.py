@@ -4,8 +4,9 @@ Two targets run the same kernel source through the same binding and autograd wra
 
 * ``cuda``: the extension built by torch on a GPU machine, on CUDA tensors;
 * ``emulated``: on any machine with a host compiler and the CUDA headers, the kernels compiled for the CPU under
-  ``cuda_emulation/`` (a block is 128 threads with real barriers and warp shuffles), on CPU tensors. It checks
-  the kernels' logic (scans, indexing, chunk hand-over, every gradient); not nvcc's code generation.
+  ``cuda_emulation/`` (a block is 128 threads with real barriers and warp shuffles; output buffers are filled
+  with NaN first), on CPU tensors. It checks the kernels' logic (scans, indexing, chunk hand-over, every
+  gradient, every element written); not nvcc's code generation.
 """
 
 from __future__ import annotations
