@@ -100,7 +100,11 @@ def test_forcing_a_backend_picks_it_or_raises(op, backend, device, request):
     with ops.use_backend(**{op: backend}):
         if reason is None:
             assert backends.chosen(op, device) == (backend,)
-            got = run(getattr(ops, op), args, kwargs)
+            try:
+                got = run(getattr(ops, op), args, kwargs)
+            except BackendUnavailable as error:  # an adapter may refuse this call (e.g. flash-attn and fp32)
+                assert backend in backends.LIBRARIES and "cannot serve this call" in str(error), error
+                return
             for g, e in zip(got, run(REFERENCES[op], args, kwargs), strict=True):
                 assert_close_rel(g, e, rel=1e-5)
         else:
