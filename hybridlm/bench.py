@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from . import ops
-from .cache import HybridCache, KVState
+from .cache import HybridCache, KVState, StateGroup
 from .model import HybridForCausalLM
 
 
@@ -31,17 +31,25 @@ def fill_cache(cache: HybridCache, context: int, generator: torch.Generator | No
     """Make ``cache`` look as if ``context`` tokens had been seen: random keys/values and states. Decode cost
     depends on the sizes only, so this times decoding at long contexts without paying for the prefill."""
     for state in cache.states:
-        for name, tensor in state._tensors().items():
-            if tensor.is_floating_point():
-                tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.1)
-        if isinstance(state, KVState):
-            held = context if state.window is None else min(context, state.window - 1)
-            if state.keys.shape[2] < held:
-                state.append(*(torch.randn(*state.keys.shape[:2], held - state.keys.shape[2], state.keys.shape[3],
-                                           dtype=state.keys.dtype) for _ in range(2)))
-            state.length, state.start = held, context - held
+        _fill_state(state, context, generator)
     cache.seen = context
     cache.positions.fill_(context)
+
+
+def _fill_state(state, context: int, generator) -> None:
+    if isinstance(state, StateGroup):
+        for part in state.parts.values():
+            _fill_state(part, context, generator)
+        return
+    for tensor in state._tensors().values():
+        if tensor.is_floating_point():
+            tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.1)
+    if isinstance(state, KVState):
+        held = context if state.window is None else min(context, state.window - 1)
+        if state.keys.shape[2] < held:
+            state.append(*(torch.randn(*state.keys.shape[:2], held - state.keys.shape[2], state.keys.shape[3],
+                                       dtype=state.keys.dtype) for _ in range(2)))
+        state.length, state.start = held, context - held
 
 
 @torch.no_grad()
@@ -113,7 +121,8 @@ def scan_speedups(length: int = 2048, repeats: int = 3) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     b, d, n = 1, 512, 16
     u, delta = torch.randn(b, d, length, generator=g), torch.rand(b, d, length, generator=g) * 0.1
-    A, B, C = -torch.rand(d, n, generator=g), torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g)
+    A = -torch.rand(d, n, generator=g)
+    B, C = torch.randn(b, n, length, generator=g), torch.randn(b, n, length, generator=g)
     h, p, gs, ns, chunk = 8, 64, 1, 64, 256
     x, dt = torch.randn(b, length, h, p, generator=g), torch.rand(b, length, h, generator=g) * 0.1
     A2, B2, C2 = -torch.rand(h, generator=g), torch.randn(b, length, gs, ns, generator=g), \

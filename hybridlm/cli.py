@@ -91,15 +91,32 @@ def cmd_info(args) -> None:
 
     cache = model.new_cache(1)
     fill_cache(cache, args.context)
-    rows = []
-    for kind, nbytes in cache.nbytes_by_kind().items():
-        count = config.layer_types.count(kind)
-        layers = [b for b in model.model.layers if b.mixer_type == kind]
-        rows.append({"kind": kind, "layers": count, "params": sum(p.numel() for b in layers for p in b.parameters()),
-                     "bytes": nbytes})
+    layers, params = _mixers_by_kind(model)
+    rows = [{"kind": kind, "layers": layers.get(kind, 0), "params": params.get(kind, 0), "bytes": nbytes}
+            for kind, nbytes in cache.nbytes_by_kind().items()]
     print(f"\nby layer kind, cache at {args.context} tokens of context:")
-    print(_table(rows, [("kind", "kind", ""), ("layers", "layers", "d"), ("params", "parameters", ",d"),
+    print(_table(rows, [("kind", "kind", ""), ("layers", "layers", "d"), ("params", "mixer parameters", ",d"),
                         ("bytes", "cache bytes", ",d")]))
+
+
+def _mixers_by_kind(model) -> tuple[dict[str, int], dict[str, int]]:
+    """Per mixer kind: how many layers run one, and their parameters (a parallel layer counts per branch)."""
+    from collections import Counter
+
+    from .config import mixer_parts
+
+    layers, params = Counter(), Counter()
+    for block in model.model.layers:
+        parts = mixer_parts(block.mixer_type)
+        for kind in parts:
+            mixer = block.mixer if len(parts) == 1 else getattr(block.mixer, kind)
+            layers[kind] += 1
+            params[kind] += sum(p.numel() for p in mixer.parameters())
+    shared = model.model.shared
+    if shared is not None:
+        layers["shared_attention"] = len(shared.layers)
+        params["shared_attention"] = sum(p.numel() for p in shared.parameters())
+    return layers, params
 
 
 def cmd_bench(args) -> None:

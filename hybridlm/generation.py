@@ -66,7 +66,7 @@ def left_pad(prompts: Sequence[Sequence[int]] | torch.Tensor, pad_token_id: int 
     """``(ids [batch, longest], mask [batch, longest])`` with every prompt right-aligned."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2:
-            raise ValueError(f"prompts must be [batch, time] or a list of token lists, got shape {tuple(prompts.shape)}")
+            raise ValueError(f"prompts must be [batch, time] or lists of token ids, got shape {tuple(prompts.shape)}")
         return prompts, torch.ones_like(prompts, dtype=torch.bool)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
