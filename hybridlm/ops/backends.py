@@ -101,8 +101,9 @@ def _triton_interpreted() -> bool:
 def _triton_reason(device_type: str) -> str | None:
     """Checked without importing hybridlm.ops.triton (see :func:`_triton_interpreted`); import errors of that
     package show when it is loaded."""
-    if _import("triton")[0] is None:
-        return _import("triton")[1]
+    triton, reason = _import("triton")
+    if triton is None:
+        return reason
     if device_type == "cuda":
         return None if torch.cuda.is_available() else "no CUDA device"
     if device_type == "cpu":
