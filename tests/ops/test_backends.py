@@ -291,3 +291,19 @@ def test_mamba_selective_scan_adapter_refuses_what_mamba_ssm_cannot_do(stand_in)
         last.sum().backward()
     with pytest.raises(Declined, match="zero state"):
         scan(u, delta, A, B, C, initial_state=torch.zeros(2, 4, 3))
+
+
+def test_mamba_ssd_adapter_passes_the_initial_state_and_refuses_packed_sequences(stand_in):
+    def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, initial_states=None,
+                                  return_final_states=False):
+        assert return_final_states
+        return REFERENCES["ssd_chunk_scan"](x, dt, A, B, C, chunk_size, D, initial_state=initial_states)
+
+    stand_in("mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=mamba_chunk_scan_combined)
+    ssd = external.mamba_ssd()
+    args, _ = sample_call("ssd_chunk_scan", "cpu")
+    state = torch.randn(1, 2, 4, 3)
+    for got, expected in zip(ssd(*args, initial_state=state), REFERENCES["ssd_chunk_scan"](*args, initial_state=state)):
+        assert torch.equal(got, expected)
+    with pytest.raises(Declined, match="packed sequences"):
+        ssd(*args, cu_seqlens=torch.tensor([0, 4, 9]))
