@@ -9,7 +9,10 @@ seed and loaded by hybridlm from the directory transformers wrote, it measures
 and prints medians and the ratio transformers / hybridlm (> 1: hybridlm is faster). The two libraries take turns
 (prefill by prefill, decode step by decode step), so that a change in machine load affects both alike.
 
-    python benchmarks/hf_speed.py [--models jamba mamba2 bamba] [--prefill 2048] [--context 4096]
+    python benchmarks/hf_speed.py [--models jamba mamba2 bamba] [--prefill 2048] [--context 4096] [--threads 1]
+
+On a machine shared with other jobs, ``--threads 1`` gives far steadier numbers: with more threads than free
+cores, both libraries' many small ops wait on each other's threads.
 """
 
 from __future__ import annotations
