@@ -12,7 +12,6 @@ from .base import (
     check_expressible,
     differences,
     positions,
-    quirk_differences,
     rename_state,
     require_settings,
     rope_settings,
@@ -65,7 +64,6 @@ def from_config(config: HybridConfig) -> dict:
     if set(config.mlp_types) != {"dense"}:
         problems.append(f"every Bamba layer has a dense MLP; layers "
                         f"{[i for i, k in enumerate(config.mlp_types) if k != 'dense']} do not")
-    problems += quirk_differences(config)
     problems += differences(config, {"mlp_activation": "silu", "sliding_window": None})
     check_expressible("bamba", problems)
     return {

@@ -264,20 +264,6 @@ def differences(config: HybridConfig, required: dict) -> list[str]:
             for name, value in required.items() if getattr(config, name) != value]
 
 
-#: HybridConfig options that express one foreign architecture's quirk, at their neutral values. A format that
-#: lacks an option can only hold a model that leaves it there; a new quirk option belongs in this list.
-QUIRK_DEFAULTS = {
-    "attention_scale": None, "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_multiplier": 1.0,
-    "moe_router": "softmax", "moe_num_groups": 1, "moe_topk_groups": 1, "moe_routed_scaling": 1.0,
-    "mamba2_inner_size": None, "mamba2_norm": "gated", "shared_block_layers": None,
-}
-
-
-def quirk_differences(config: HybridConfig, supported: tuple[str, ...] = ()) -> list[str]:
-    """Export problems for the quirk options (:data:`QUIRK_DEFAULTS`) the target format does not have."""
-    return differences(config, {name: value for name, value in QUIRK_DEFAULTS.items() if name not in supported})
-
-
 def positions(kinds: list[str], kind: str) -> list[int]:
     """Indices of the layers of ``kind`` (for error messages)."""
     return [i for i, k in enumerate(kinds) if k == kind]

@@ -18,7 +18,6 @@ from .base import (
     differences,
     layer_rules,
     positions,
-    quirk_differences,
     rename_state,
     require_settings,
     split_stacked,
@@ -103,7 +102,6 @@ def from_config(config: HybridConfig) -> dict:
     if moe is None:
         problems.append(f"MoE layers at {positions(config.mlp_types, 'moe')} are not one every expert_layer_period "
                         "layers")
-    problems += quirk_differences(config)
     problems += differences(config, {
         "mlp_activation": "silu", "sliding_window": None, "attention_bias": False,
         "mamba_dt_norm": True, "mamba_dt_norm_learnable": True, "mamba_dt_norm_eps": config.rms_norm_eps,

@@ -10,7 +10,6 @@ from .base import (
     FieldMap,
     StateDict,
     check_expressible,
-    quirk_differences,
     rename_state,
     require_settings,
     with_transformers_defaults,
@@ -50,7 +49,6 @@ def from_config(config: HybridConfig) -> dict:
         problems.append(f"every Mamba-2 layer is 'mamba2'; layers {_other(config.layer_types, 'mamba2')} are not")
     if set(config.mlp_types) != {"none"}:
         problems.append(f"Mamba-2 layers have no MLP; layers {_other(config.mlp_types, 'none')} have one")
-    problems += quirk_differences(config)
     check_expressible("mamba2", problems)
     return {
         "model_type": "mamba2",
