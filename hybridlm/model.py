@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -292,13 +291,13 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         """hybridlm's own checkpoints, or any format in :mod:`hybridlm.formats` (Jamba, Mamba-2, Bamba, ...)."""
         from . import formats
 
-        path = Path(pretrained_model_name_or_path)
+        path = formats.resolve_directory(pretrained_model_name_or_path)  # a hub id is resolved here, once
         # read_config names a missing config.json (transformers would build a default, randomly initialised model)
-        if path.is_dir() and formats.read_config(path).get("model_type") != "hybridlm":
+        if formats.read_config(path).get("model_type") != "hybridlm":
             if args or set(kwargs) - {"dtype", "device_map"}:
                 raise TypeError(f"foreign checkpoints take only dtype= and device_map=, got {sorted(kwargs)}")
             return formats.load(path, dtype=kwargs.get("dtype"), device=kwargs.get("device_map"))
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return super().from_pretrained(path, *args, **kwargs)
 
     def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):
         """``format="hybridlm"`` (default) writes hybridlm's own checkpoint; another ``model_type`` (e.g.

@@ -101,19 +101,29 @@ def _decode_floats(obj):
     return obj
 
 
+_CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.jinja"]
+
+
 def resolve_directory(path: str | os.PathLike) -> Path:
-    """A local directory as is; otherwise a hub id resolved through huggingface_hub's cache."""
+    """A local directory as is; otherwise a hub id, from huggingface_hub's cache when it is there (no network
+    call), else downloaded."""
     local = Path(path)
     if local.is_dir():
         return local
     if local.exists():
         raise NotADirectoryError(f"{path} is a file; a checkpoint is a directory holding config.json and weights")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.bin", "*.model",
-                                                                 "*.txt", "*.jinja"]))
-    except Exception as error:  # network errors, unknown repos, offline mode without a cached copy
+        return Path(snapshot_download(str(path), allow_patterns=_CHECKPOINT_FILES, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass  # not in the cache: ask the hub
+    except HFValidationError as error:
+        raise FileNotFoundError(f"{path} is neither a local directory nor a valid hub id: {error}") from error
+    try:
+        return Path(snapshot_download(str(path), allow_patterns=_CHECKPOINT_FILES))
+    except Exception as error:  # network errors, unknown repos, offline mode
         raise FileNotFoundError(f"{path} is neither a local directory nor a hub id available here: {error}") \
             from error
 

@@ -121,3 +121,22 @@ def test_tied_embeddings_share_one_tensor_and_untied_need_a_head(checkpoint, tmp
     tied = hybridlm.HybridForCausalLM.from_pretrained(directory)
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     assert torch.equal(tied.lm_head.weight, state["backbone.embeddings.weight"])
+
+
+def test_hub_ids_resolve_from_the_local_cache_without_network(tmp_path, monkeypatch):
+    """A hub id whose snapshot is in huggingface_hub's cache loads (foreign and own formats), no download."""
+    import huggingface_hub.constants
+
+    from hybridlm import HybridForCausalLM
+    from tests.helpers import random_ids, tiny_model
+
+    model = tiny_model(layer_pattern="MA")
+    snapshot = tmp_path / "models--acme--tiny-hybrid" / "snapshots" / ("0" * 40)
+    model.save_pretrained(snapshot)
+    (tmp_path / "models--acme--tiny-hybrid" / "refs").mkdir()
+    (tmp_path / "models--acme--tiny-hybrid" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    ids = random_ids(1, 5)
+    with torch.no_grad():
+        for loaded in (hybridlm.load("acme/tiny-hybrid"), HybridForCausalLM.from_pretrained("acme/tiny-hybrid")):
+            assert torch.equal(loaded(ids).logits, model(ids).logits)
