@@ -1,7 +1,7 @@
 """Kernel benchmarks: every backend of each op against the torch reference, and against mamba-ssm and
 flash-linear-attention (``chunk_simple_gla`` computes the same scalar-decay scan as SSD) where installed.
 
-    python benchmarks/gpu_kernels.py [--out DIR] [--quick] [--device cuda]
+    python benchmarks/gpu_kernels.py [--out DIR] [--quick] [--device cuda] [--only NAME]
 
 Writes ``DIR/benchmarks.md`` (median times, speed-up over the reference, error against it, then the targets of
 issue 4) and ``DIR/benchmarks.json``. A backend that cannot run is listed with the reason. ``--quick`` shrinks every
@@ -104,6 +104,22 @@ def update_inputs(device, batch, heads, head_dim, dstate, dtype):
                 C=randn(device, dtype, *bc_shape), D=torch.randn(*shape[1:], device=device))
 
 
+def linear_attention_inputs(device, batch, heads, length, features, dim):
+    q, k = (torch.rand(batch, heads, length, features, device=device) for _ in range(2))
+    inputs = dict(q=q, k=k, v=torch.randn(batch, heads, length, dim, device=device),
+                  log_decay=-torch.rand(batch, heads, length, device=device) * 0.1)
+    inputs.update({f"{name}_fla": value.transpose(1, 2).contiguous() for name, value in inputs.items()})
+    return inputs
+
+
+def fla_linear_attention(chunk_simple_gla):
+    """causal_linear_attention through chunk_simple_gla on inputs already laid out [batch, time, heads, dim]."""
+    def run(x):
+        out, _ = chunk_simple_gla(x["q_fla"], x["k_fla"], x["v_fla"], x["log_decay_fla"], scale=1.0)
+        return out.transpose(1, 2)
+    return run
+
+
 def cases(device: str, quick: bool) -> list[Case]:
     s = 8 if quick else 1  # size divisor
     half = torch.bfloat16 if device == "cuda" else torch.float32
@@ -144,6 +160,12 @@ def cases(device: str, quick: bool) -> list[Case]:
         return dict(x=x, weight=randn(device, half, channels, 4), bias=randn(device, half, channels),
                     state=randn(device, half, 64, channels, 3))
 
+    def linear_attention(f, x):
+        return f(x["q"], x["k"], x["v"], x["log_decay"])
+
+    linear_shape = dict(batch=2, heads=8, length=4096 // s, features=64, dim=64)
+    linear_runners = {**runners("causal_linear_attention", device, linear_attention, ("torch", "triton")),
+                      "fla": fla if isinstance(fla, str) else fla_linear_attention(fla)}
     update_names = ("torch", "triton", "mamba_ssm")
     conv_names = ("torch", "triton", "causal_conv1d")
     scan_label = ", ".join(f"{k} {v}" for k, v in scan_shape.items())
@@ -164,6 +186,8 @@ def cases(device: str, quick: bool) -> list[Case]:
              runners("selective_scan", device, scan, scan_names), backward=True),
         Case("causal_conv1d forward", f"batch 2, channels {4096 // s}, length {8192 // s}, width 4",
              lambda: conv_inputs(8192 // s), runners("causal_conv1d", device, conv, conv_names)),
+        Case("causal_linear_attention forward", ", ".join(f"{k} {v}" for k, v in linear_shape.items()) + ", fp32",
+             lambda: linear_attention_inputs(device, **linear_shape), linear_runners),
         Case("causal_conv1d_update (decode)", f"batch 64, channels {4096 // s}, width 4", lambda: conv_inputs(0),
              runners("causal_conv1d_update", device, conv_step, conv_names)),
     ]
@@ -279,13 +303,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of this script")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--only", default="", help="run only the cases whose name contains this text")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: these benchmarks need a GPU (use --device cpu --quick for a smoke test)")
     torch.manual_seed(0)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     rows = []
-    for case in cases(args.device, args.quick):
+    for case in (c for c in cases(args.device, args.quick) if args.only in c.name):
         print(f"{case.name} ({case.shape})", flush=True)
         rows += measure(case, args.device, args.repeats)
         for row in rows:
