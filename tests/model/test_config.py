@@ -1,6 +1,9 @@
 """HybridConfig: the short forms of the layer plan, validation errors, serialisation."""
 
+from pathlib import Path
+
 import pytest
+from transformers import PreTrainedConfig
 
 from hybridlm import HybridConfig
 from hybridlm.config import PATTERN_LETTERS
@@ -75,3 +78,12 @@ def test_round_trip(tmp_path):
     assert loaded.layer_types == config.layer_types and loaded.mlp_types == config.mlp_types
     assert loaded.mamba2_dt_limit == [0.0, float("inf")]
     assert loaded.to_dict() == config.to_dict()
+
+
+
+def test_every_field_is_documented():
+    """docs/config.md lists every HybridConfig field (those inherited from transformers are documented there)."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    missing = [name for name in HybridConfig.__dataclass_fields__
+               if name not in PreTrainedConfig.__dataclass_fields__ and f"`{name}`" not in text]
+    assert not missing, f"fields missing from docs/config.md: {missing}"
