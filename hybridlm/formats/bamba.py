@@ -6,6 +6,8 @@ from __future__ import annotations
 from ..config import HybridConfig
 from . import register
 from .base import (
+    ATTENTION_FIELDS,
+    COMMON_FIELDS,
     CheckpointFormat,
     FieldMap,
     StateDict,
@@ -15,21 +17,23 @@ from .base import (
     rename_state,
     require_settings,
     rope_settings,
+    same_names,
     with_transformers_defaults,
 )
 from .jamba import decoder_rules
 
-FIELDS = FieldMap({
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-    "num_hidden_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_key_value_heads", "rms_norm_eps": "rms_norm_eps",
-    "tie_word_embeddings": "tie_word_embeddings", "max_position_embeddings": "max_position_embeddings",
-    "initializer_range": "initializer_range", "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id", "attention_bias": "attention_bias", "mamba_d_state": "mamba2_d_state",
-    "mamba_d_conv": "mamba2_d_conv", "mamba_expand": "mamba2_expand", "mamba_d_head": "mamba2_head_dim",
-    "mamba_n_groups": "mamba2_n_groups", "mamba_chunk_size": "mamba2_chunk_size",
+#: Mamba-2 settings as Bamba names them (Falcon-H1 and Granite-4.0-H inherit the names).
+MAMBA2_FIELDS = {
+    "mamba_d_state": "mamba2_d_state", "mamba_d_conv": "mamba2_d_conv", "mamba_expand": "mamba2_expand",
+    "mamba_d_head": "mamba2_head_dim", "mamba_n_groups": "mamba2_n_groups", "mamba_chunk_size": "mamba2_chunk_size",
     "mamba_conv_bias": "mamba2_conv_bias", "mamba_proj_bias": "mamba2_proj_bias",
-})
+}
+#: Bamba's decoder settings (Falcon-H1 shares them).
+DECODER_FIELDS = {
+    **COMMON_FIELDS, **ATTENTION_FIELDS,
+    **same_names("intermediate_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "attention_bias"),
+}
+FIELDS = FieldMap({**DECODER_FIELDS, **MAMBA2_FIELDS})
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.5  # what transformers assumes when a Bamba config does not say
 
 

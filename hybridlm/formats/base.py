@@ -223,6 +223,18 @@ def layer_rules(config: HybridConfig, theirs: str, mixer_names: dict[str, str]) 
             for i, kind in enumerate(config.layer_types)]
 
 
+def same_names(*names: str) -> dict[str, str]:
+    """Field pairs for settings that transformers and HybridConfig name alike."""
+    return {name: name for name in names}
+
+
+#: Settings every supported transformers config names as HybridConfig does.
+COMMON_FIELDS = same_names("vocab_size", "hidden_size", "initializer_range", "pad_token_id", "bos_token_id",
+                           "eos_token_id")
+#: ... and those of the decoder configs with attention layers.
+ATTENTION_FIELDS = same_names("num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+
+
 class FieldMap:
     """Config fields that map one to one: ``FieldMap({"state_size": "mamba_d_state", ...})`` (theirs: ours)."""
 

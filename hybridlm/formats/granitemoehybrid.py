@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..config import HybridConfig
 from . import register
+from .bamba import DECODER_FIELDS, MAMBA2_FIELDS
 from .base import (
     CheckpointFormat,
     FieldMap,
@@ -24,22 +25,15 @@ from .base import (
     rename_state,
     require_settings,
     rope_settings,
+    same_names,
     split_stacked,
     with_transformers_defaults,
 )
 
 FIELDS = FieldMap({
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers",
-    "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
-    "rms_norm_eps": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings",
-    "max_position_embeddings": "max_position_embeddings", "initializer_range": "initializer_range",
-    "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
-    "attention_bias": "attention_bias", "router_aux_loss_coef": "router_aux_loss_coef",
-    "embedding_multiplier": "embedding_multiplier", "residual_multiplier": "residual_multiplier",
-    "attention_multiplier": "attention_scale", "mamba_d_state": "mamba2_d_state", "mamba_d_conv": "mamba2_d_conv",
-    "mamba_expand": "mamba2_expand", "mamba_d_head": "mamba2_head_dim", "mamba_n_groups": "mamba2_n_groups",
-    "mamba_chunk_size": "mamba2_chunk_size", "mamba_conv_bias": "mamba2_conv_bias",
-    "mamba_proj_bias": "mamba2_proj_bias",
+    **{k: v for k, v in DECODER_FIELDS.items() if k != "intermediate_size"}, **MAMBA2_FIELDS,
+    **same_names("router_aux_loss_coef", "embedding_multiplier", "residual_multiplier"),
+    "attention_multiplier": "attention_scale",
 })
 MIXERS = {"linear_attention": "mamba2", "full_attention": "attention"}
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from ..config import HybridConfig
 from . import register
 from .base import (
+    ATTENTION_FIELDS,
+    COMMON_FIELDS,
     CheckpointFormat,
     FieldMap,
     RenameRules,
@@ -20,15 +22,15 @@ from .base import (
     positions,
     rename_state,
     require_settings,
+    same_names,
     split_stacked,
     with_transformers_defaults,
 )
 
-FIELDS = FieldMap({name: name for name in (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings", "initializer_range",
-    "num_experts", "num_experts_per_tok", "router_aux_loss_coef", "pad_token_id", "bos_token_id", "eos_token_id",
-    "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba_conv_bias", "mamba_proj_bias",
+FIELDS = FieldMap({**COMMON_FIELDS, **ATTENTION_FIELDS, **same_names(
+    "intermediate_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "num_experts",
+    "num_experts_per_tok", "router_aux_loss_coef", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank",
+    "mamba_conv_bias", "mamba_proj_bias",
 )})
 
 

@@ -10,20 +10,20 @@ from __future__ import annotations
 from ..config import HybridConfig
 from . import register
 from .base import (
+    COMMON_FIELDS,
     CheckpointFormat,
     FieldMap,
     RenameRules,
     StateDict,
     rename_state,
     require_settings,
+    same_names,
     with_transformers_defaults,
 )
 
 FIELDS = FieldMap({
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers",
-    "layer_norm_epsilon": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings",
-    "initializer_range": "initializer_range", "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id", "state_size": "mamba_d_state", "conv_kernel": "mamba_d_conv",
+    **COMMON_FIELDS, **same_names("num_hidden_layers", "tie_word_embeddings"), "layer_norm_epsilon": "rms_norm_eps",
+    "state_size": "mamba_d_state", "conv_kernel": "mamba_d_conv",
     "expand": "mamba_expand", "time_step_rank": "mamba_dt_rank", "use_conv_bias": "mamba_conv_bias",
     "use_bias": "mamba_proj_bias", "time_step_min": "mamba_dt_min", "time_step_max": "mamba_dt_max",
     "time_step_floor": "mamba_dt_init_floor",

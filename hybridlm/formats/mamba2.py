@@ -6,21 +6,21 @@ from __future__ import annotations
 from ..config import HybridConfig
 from . import register
 from .base import (
+    COMMON_FIELDS,
     CheckpointFormat,
     FieldMap,
     StateDict,
     check_expressible,
     rename_state,
     require_settings,
+    same_names,
     with_transformers_defaults,
 )
 from .mamba import BACKBONE_RULES
 
 FIELDS = FieldMap({
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers",
-    "layer_norm_epsilon": "rms_norm_eps", "tie_word_embeddings": "tie_word_embeddings",
-    "initializer_range": "initializer_range", "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id", "state_size": "mamba2_d_state", "conv_kernel": "mamba2_d_conv",
+    **COMMON_FIELDS, **same_names("num_hidden_layers", "tie_word_embeddings"), "layer_norm_epsilon": "rms_norm_eps",
+    "state_size": "mamba2_d_state", "conv_kernel": "mamba2_d_conv",
     "expand": "mamba2_expand", "head_dim": "mamba2_head_dim", "n_groups": "mamba2_n_groups",
     "chunk_size": "mamba2_chunk_size", "use_conv_bias": "mamba2_conv_bias", "use_bias": "mamba2_proj_bias",
     "time_step_min": "mamba2_dt_min", "time_step_max": "mamba2_dt_max", "time_step_floor": "mamba2_dt_init_floor",

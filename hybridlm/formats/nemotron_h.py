@@ -18,6 +18,8 @@ from __future__ import annotations
 from ..config import HybridConfig
 from . import register
 from .base import (
+    ATTENTION_FIELDS,
+    COMMON_FIELDS,
     CheckpointFormat,
     FieldMap,
     RenameRules,
@@ -26,6 +28,7 @@ from .base import (
     differences,
     rename_state,
     require_settings,
+    same_names,
     split_stacked,
     with_transformers_defaults,
 )
@@ -36,11 +39,8 @@ BLOCKS = {"linear_attention": ("mamba2", "none"), "full_attention": ("attention"
 BLOCK_OF = {kind: block for block, pair in BLOCKS.items() for kind in pair if kind != "none"}
 
 FIELDS = FieldMap({
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-    "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
-    "head_dim": "head_dim", "max_position_embeddings": "max_position_embeddings",
-    "initializer_range": "initializer_range", "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id", "layer_norm_epsilon": "rms_norm_eps", "ssm_state_size": "mamba2_d_state",
+    **COMMON_FIELDS, **ATTENTION_FIELDS, **same_names("intermediate_size", "head_dim"),
+    "layer_norm_epsilon": "rms_norm_eps", "ssm_state_size": "mamba2_d_state",
     "conv_kernel": "mamba2_d_conv", "expand": "mamba2_expand", "mamba_head_dim": "mamba2_head_dim",
     "n_groups": "mamba2_n_groups", "chunk_size": "mamba2_chunk_size", "use_conv_bias": "mamba2_conv_bias",
     "use_bias": "mamba2_proj_bias", "time_step_max": "mamba2_dt_max", "time_step_floor": "mamba2_dt_init_floor",

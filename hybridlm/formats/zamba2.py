@@ -23,6 +23,8 @@ import torch
 from ..config import HybridConfig
 from . import register
 from .base import (
+    ATTENTION_FIELDS,
+    COMMON_FIELDS,
     CheckpointFormat,
     FieldMap,
     RenameRules,
@@ -30,16 +32,14 @@ from .base import (
     rename_state,
     require_settings,
     rope_settings,
+    same_names,
     with_transformers_defaults,
 )
 
 FIELDS = FieldMap({
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
-    "num_hidden_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_key_value_heads", "attention_head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps",
-    "tie_word_embeddings": "tie_word_embeddings", "max_position_embeddings": "max_position_embeddings",
-    "initializer_range": "initializer_range", "pad_token_id": "pad_token_id", "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id", "hidden_act": "mlp_activation", "mamba_d_state": "mamba2_d_state",
+    **COMMON_FIELDS, **ATTENTION_FIELDS,
+    **same_names("intermediate_size", "num_hidden_layers", "rms_norm_eps", "tie_word_embeddings"),
+    "attention_head_dim": "head_dim", "hidden_act": "mlp_activation", "mamba_d_state": "mamba2_d_state",
     "mamba_d_conv": "mamba2_d_conv", "mamba_expand": "mamba2_expand", "mamba_headdim": "mamba2_head_dim",
     "mamba_ngroups": "mamba2_n_groups", "chunk_size": "mamba2_chunk_size", "add_bias_linear": "mamba2_proj_bias",
     "time_step_min": "mamba2_dt_min", "time_step_max": "mamba2_dt_max", "time_step_floor": "mamba2_dt_init_floor",
