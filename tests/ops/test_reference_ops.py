@@ -227,3 +227,5 @@ def test_attention_ref_gqa_and_mask_match_softmax():
     assert_close_rel(out, scores.softmax(-1) @ vv)
     with pytest.raises(ValueError, match="heads"):
         attention_ref(torch.randn(1, 3, 2, 4), torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        attention_ref(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), causal=True)
