@@ -93,3 +93,28 @@ def test_missing_checkpoint_is_a_clear_error(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--ids", "1"])
     assert "config.json" in capsys.readouterr().err
+
+
+def test_info_backends_lists_every_op(capsys):
+    main(["info", "--backends"])
+    out = capsys.readouterr().out
+    for op in ("selective_scan", "ssd_chunk_scan", "causal_conv1d", "causal_linear_attention", "attention"):
+        assert op in out
+    assert "torch" in out
+
+
+def test_convert_to_a_foreign_format_that_transformers_reads(tmp_path):
+    import transformers
+
+    from tests.formats.test_jamba import tiny_jamba_config
+
+    torch.manual_seed(0)
+    source = transformers.JambaForCausalLM(tiny_jamba_config()).eval()
+    source.save_pretrained(tmp_path / "src")
+    main(["convert", str(tmp_path / "src"), str(tmp_path / "mid"), "--to", "hybridlm"])
+    main(["convert", str(tmp_path / "mid"), str(tmp_path / "dst"), "--to", "jamba"])
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert type(back) is transformers.JambaForCausalLM
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    with torch.no_grad():
+        assert (back(ids).logits - source(ids).logits).abs().max() < 1e-5
