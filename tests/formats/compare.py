@@ -32,6 +32,12 @@ def randomize(model, seed: int = 0, scale: float = 0.1):
     return model
 
 
+def tiny_transformers_model(model_class, config):
+    """``model_class(config)`` built with seed 0, every parameter randomised (see :func:`randomize`), in eval mode."""
+    torch.manual_seed(0)
+    return randomize(model_class(config).eval())
+
+
 def random_ids(vocab_size: int, batch: int, length: int, seed: int = 0, low: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab_size, (batch, length), generator=generator)

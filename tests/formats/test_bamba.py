@@ -8,7 +8,15 @@ from safetensors.torch import load_file
 
 import hybridlm
 
-from .compare import check_all, check_continuation, check_logits, random_ids, randomize, save_and_load
+from .compare import (
+    check_all,
+    check_continuation,
+    check_logits,
+    random_ids,
+    randomize,
+    save_and_load,
+    tiny_transformers_model,
+)
 
 VOCAB = 256
 
@@ -17,8 +25,7 @@ def tiny_bamba(**overrides) -> transformers.BambaForCausalLM:
     settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1, 3], mamba_n_heads=8,
                     mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=8)
-    torch.manual_seed(0)
-    return randomize(transformers.BambaForCausalLM(transformers.BambaConfig(**{**settings, **overrides})).eval())
+    return tiny_transformers_model(transformers.BambaForCausalLM, transformers.BambaConfig(**{**settings, **overrides}))
 
 
 @pytest.fixture(scope="module")

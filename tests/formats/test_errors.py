@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import hybridlm
 
-from .compare import check_logits, random_ids, randomize
+from .compare import check_logits, random_ids, tiny_transformers_model
 
 VOCAB = 128
 
@@ -21,8 +21,7 @@ def checkpoint(tmp_path_factory):
     """A tiny Mamba-2 checkpoint saved by transformers, and the model it came from."""
     config = transformers.Mamba2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4,
                                        num_heads=4, head_dim=16, n_groups=1, chunk_size=4)
-    torch.manual_seed(0)
-    hf = randomize(transformers.Mamba2ForCausalLM(config).eval())
+    hf = tiny_transformers_model(transformers.Mamba2ForCausalLM, config)
     directory = tmp_path_factory.mktemp("mamba2")
     hf.save_pretrained(directory)
     return directory, hf

@@ -5,7 +5,6 @@ import json
 import shutil
 
 import pytest
-import torch
 import transformers
 
 import hybridlm
@@ -16,8 +15,8 @@ from .compare import (
     check_continuation,
     check_logits,
     random_ids,
-    randomize,
     save_and_load,
+    tiny_transformers_model,
 )
 
 VOCAB = 256
@@ -31,9 +30,8 @@ def tiny_falcon_h1(**overrides) -> transformers.FalconH1ForCausalLM:
                     num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2,
                     mamba_d_state=16, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
                     **MULTIPLIERS)
-    torch.manual_seed(0)
     config = transformers.FalconH1Config(**{**settings, **overrides})
-    return randomize(transformers.FalconH1ForCausalLM(config).eval())
+    return tiny_transformers_model(transformers.FalconH1ForCausalLM, config)
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,19 @@ import json
 import shutil
 
 import pytest
-import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
 import hybridlm
 
-from .compare import check_all, check_continuation, check_logits, random_ids, randomize, save_and_load
+from .compare import (
+    check_all,
+    check_continuation,
+    check_logits,
+    random_ids,
+    save_and_load,
+    tiny_transformers_model,
+)
 
 VOCAB = 256
 
@@ -24,9 +30,8 @@ def tiny_granite(**overrides) -> transformers.GraniteMoeHybridForCausalLM:
                     mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8,
                     embedding_multiplier=2.0, logits_scaling=3.0, residual_multiplier=0.5, attention_multiplier=0.1,
                     position_embedding_type="rope", tie_word_embeddings=True)
-    torch.manual_seed(0)
     config = transformers.GraniteMoeHybridConfig(**{**settings, **overrides})
-    return randomize(transformers.GraniteMoeHybridForCausalLM(config).eval())
+    return tiny_transformers_model(transformers.GraniteMoeHybridForCausalLM, config)
 
 
 @pytest.fixture(scope="module")

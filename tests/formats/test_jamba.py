@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 import hybridlm
 
-from .compare import check_all, check_logits, random_ids, randomize, save_and_load
+from .compare import check_all, check_logits, random_ids, randomize, save_and_load, tiny_transformers_model
 
 VOCAB = 256
 
@@ -25,8 +25,7 @@ def tiny_jamba_config(**overrides) -> transformers.JambaConfig:
 
 @pytest.fixture(scope="module")
 def jamba(tmp_path_factory):
-    torch.manual_seed(0)
-    hf = randomize(transformers.JambaForCausalLM(tiny_jamba_config()).eval())
+    hf = tiny_transformers_model(transformers.JambaForCausalLM, tiny_jamba_config())
     directory = tmp_path_factory.mktemp("jamba")
     return hf, save_and_load(hf, directory), directory
 

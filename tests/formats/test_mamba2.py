@@ -8,7 +8,15 @@ from safetensors.torch import load_file
 
 import hybridlm
 
-from .compare import check_all, check_continuation, check_logits, random_ids, randomize, save_and_load
+from .compare import (
+    check_all,
+    check_continuation,
+    check_logits,
+    random_ids,
+    randomize,
+    save_and_load,
+    tiny_transformers_model,
+)
 
 VOCAB = 256
 
@@ -16,8 +24,8 @@ VOCAB = 256
 def tiny_mamba2(**overrides) -> transformers.Mamba2ForCausalLM:
     settings = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, state_size=8, num_heads=8, head_dim=16,
                     n_groups=2, chunk_size=8)
-    torch.manual_seed(0)
-    return randomize(transformers.Mamba2ForCausalLM(transformers.Mamba2Config(**{**settings, **overrides})).eval())
+    config = transformers.Mamba2Config(**{**settings, **overrides})
+    return tiny_transformers_model(transformers.Mamba2ForCausalLM, config)
 
 
 @pytest.fixture(scope="module")

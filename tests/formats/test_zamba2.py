@@ -6,7 +6,6 @@ import json
 import shutil
 
 import pytest
-import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -18,8 +17,8 @@ from .compare import (
     check_continuation,
     check_logits,
     random_ids,
-    randomize,
     save_and_load,
+    tiny_transformers_model,
 )
 
 VOCAB = 256
@@ -31,9 +30,8 @@ def tiny_zamba2(**overrides) -> transformers.Zamba2ForCausalLM:
                     num_key_value_heads=4, intermediate_size=96, mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2,
                     chunk_size=8, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8,
                     use_mem_rope=True)
-    torch.manual_seed(0)
     config = transformers.Zamba2Config(**{**settings, **overrides})
-    return randomize(transformers.Zamba2ForCausalLM(config).eval())
+    return tiny_transformers_model(transformers.Zamba2ForCausalLM, config)
 
 
 @pytest.fixture(scope="module")
