@@ -8,11 +8,11 @@ Recurrence, per channel ``d`` and state index ``n``::
 Layout follows mamba-ssm's ``selective_scan_fn``: ``u, delta, z: [batch, dim, time]``, ``A: [dim, dstate]``,
 ``B, C: [batch, dstate, time]`` or grouped ``[batch, groups, dstate, time]``.
 
-The scan is chunked in two levels, so a sequence of ``T`` tokens costs about ``2 * sqrt(T)`` vectorised
-steps instead of ``T``: every chunk of ``L`` tokens is scanned from a zero state (all chunks at once, ``L``
-steps), then the chunk-boundary states are carried across chunks (``T / L`` steps) and added back weighted by
-the cumulative decay inside each chunk. Only products of decays ``<= 1`` are formed, never their inverses, so
-it is as stable as the sequential loop.
+The scan is chunked in two levels, so ``T`` tokens cost about ``L + T / L`` vectorised steps instead of ``T``
+(``L = 16``): every chunk of ``L`` tokens is scanned from a zero state (all chunks at once, ``L`` steps), then the
+chunk-boundary states are carried across chunks (``T / L`` steps) and added back weighted by the cumulative
+decay inside each chunk. Only products of decays ``<= 1`` are formed, never their inverses, so it is as stable
+as the sequential loop. Long inputs are processed in blocks of time that keep the working tensors small.
 """
 
 from __future__ import annotations
