@@ -196,3 +196,25 @@ def test_linformer_rejects_positions_past_its_projection():
     mixer, config = build("linformer")
     with pytest.raises(ValueError, match="linformer_max_length"):
         mixer(torch.randn(1, 2, config.hidden_size), positions=torch.tensor([[255, 256]]))
+
+
+@pytest.mark.parametrize("kind, overrides", [
+    ("attention", dict(num_key_value_heads=4)),  # MHA
+    ("attention", dict(num_key_value_heads=1)),  # MQA
+    ("attention", dict(partial_rotary_factor=0.5, rope_theta=500.0)),
+    ("attention", dict(partial_rotary_factor=0.0, attention_bias=True)),
+    ("attention", dict(sliding_window=3, num_key_value_heads=1)),
+    ("mamba", dict(mamba_dt_norm=True)),
+    ("mamba", dict(mamba_dt_norm=True, mamba_dt_norm_learnable=False, mamba_conv_bias=False, mamba_proj_bias=True)),
+    ("mamba2", dict(mamba2_dt_limit=[0.01, 0.05], mamba2_n_groups=1)),
+    ("mamba2", dict(mamba2_norm="norm_before_gate")),
+    ("performer", dict(performer_num_features=5)),
+    ("linformer", dict(linformer_rank=1)),
+])
+def test_options_keep_decode_equal_to_the_parallel_form(kind, overrides):
+    mixer, config = build(kind, **overrides)
+    x = torch.randn(2, 11, config.hidden_size, generator=torch.Generator().manual_seed(11))
+    with torch.no_grad():
+        full = mixer(x)
+        stepped, _ = run_in_pieces(mixer, x, [4, 7] + list(range(8, 11)))
+    assert_close_rel(stepped, full)
