@@ -95,6 +95,19 @@ class HybridPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["HybridBlock"]
     _is_stateful = True  # SSM states cannot be rolled back: no assisted decoding
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' loader, except that missing or unexpected weights are an error naming them (transformers
+        would initialise missing ones randomly and only log a report)."""
+        wants_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
+                                              **kwargs)
+        problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(str, info[kind])))}"
+                    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(kind)]
+        if problems:
+            raise ValueError(f"{pretrained_model_name_or_path} does not match {cls.__name__}: " + " | ".join(problems))
+        return (model, info) if wants_info else model
+
     def _init_weights(self, module):
         super()._init_weights(module)
         if isinstance(module, Mixer) and hasattr(module, "initial_values"):

@@ -187,3 +187,18 @@ def test_mask_of_the_wrong_length_is_rejected():
 def test_bidirectional_linformer_cannot_be_a_causal_lm():
     with pytest.raises(ValueError, match="linformer_causal"):
         HybridForCausalLM(tiny_config(layer_pattern="L", linformer_causal=False))
+
+
+def test_own_checkpoint_with_missing_or_unexpected_weights_is_rejected(tmp_path):
+    """transformers would initialise a missing weight randomly and only log it: hybridlm refuses, naming it."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_model(layer_pattern="AM").save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state.pop("model.layers.1.mixer.A_log")
+    state["model.extra.weight"] = torch.zeros(3)
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for loader in (HybridForCausalLM, AutoModelForCausalLM):
+        with pytest.raises(ValueError, match=r"missing keys: model\.layers\.1\.mixer\.A_log.*unexpected keys: "
+                                             r"model\.extra\.weight"):
+            loader.from_pretrained(tmp_path)
