@@ -10,8 +10,10 @@ from hybridlm import HybridConfig, HybridForCausalLM
 from hybridlm.config import MIXER_TYPES
 from tests.helpers import assert_close_rel, random_ids, tiny_config, tiny_model
 
-stacks = st.lists(st.tuples(st.sampled_from(MIXER_TYPES), st.sampled_from(["dense", "moe", "none"])),
-                  min_size=1, max_size=4)
+# single mixers, MLP-only layers ("none") and parallel mixers ("a+b"), each with a dense, MoE or no MLP
+LAYER_KINDS = list(MIXER_TYPES) + ["none", "attention+mamba2", "mamba+performer"]
+stacks = st.lists(st.tuples(st.sampled_from(LAYER_KINDS), st.sampled_from(["dense", "moe", "none"]))
+                  .filter(lambda layer: layer != ("none", "none")), min_size=1, max_size=4)
 
 
 @settings(max_examples=40)
