@@ -75,9 +75,10 @@ class KVState(LayerState):
     """Keys and values of an attention layer.
 
     ``keys``/``values`` are ``[batch, kv_heads, capacity, head_dim]`` buffers of which the first ``length``
-    slots are filled. ``start`` is the absolute slot of buffer slot 0 (non-zero once a sliding window has
-    dropped old slots). ``padding`` counts each row's leading padding slots: slot ``s`` of row ``b`` holds
-    a real token iff ``s >= padding[b]``.
+    slots are filled (``nbytes`` counts those; ``reserved_nbytes`` the capacity). Capacity is preallocated when
+    the maximum length is known, and otherwise grows by half when full. ``start`` is the absolute slot of buffer
+    slot 0 (non-zero once a sliding window has dropped old slots). ``padding`` counts each row's leading padding
+    slots: slot ``s`` of row ``b`` holds a real token iff ``s >= padding[b]``.
     """
 
     keys: torch.Tensor
@@ -116,15 +117,19 @@ class KVState(LayerState):
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``keys, values [batch, kv_heads, new, head_dim]``; returns all held keys and values."""
         new = keys.shape[2]
-        if self.length + new > self.keys.shape[2]:  # grow exactly to what is needed
-            extra = self.length + new - self.keys.shape[2]
-            grow = self.keys.new_zeros(*self.keys.shape[:2], extra, self.keys.shape[3])
-            self.keys = torch.cat([self.keys[:, :, : self.length], grow], dim=2)
-            self.values = torch.cat([self.values[:, :, : self.length], grow], dim=2)
+        needed = self.length + new
+        if needed > self.keys.shape[2]:  # grow by half at least, so that decoding copies the cache rarely
+            capacity = max(needed, self.keys.shape[2] * 3 // 2)
+            self.keys, self.values = (self._with_capacity(t, capacity) for t in (self.keys, self.values))
         self.keys[:, :, self.length : self.length + new] = keys
         self.values[:, :, self.length : self.length + new] = values
         self.length += new
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def _with_capacity(self, buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+        grown = buffer.new_zeros(*buffer.shape[:2], capacity, buffer.shape[3])
+        grown[:, :, : self.length] = buffer[:, :, : self.length]
+        return grown
 
     def trim_to_window(self) -> None:
         """Keep only the ``window - 1`` most recent slots: all that a later token can attend to."""

@@ -218,3 +218,18 @@ def test_options_keep_decode_equal_to_the_parallel_form(kind, overrides):
         full = mixer(x)
         stepped, _ = run_in_pieces(mixer, x, [4, 7] + list(range(8, 11)))
     assert_close_rel(stepped, full)
+
+
+def test_kv_capacity_grows_past_a_preallocation_and_geometrically():
+    mixer, config = build("attention")
+    x = torch.randn(1, 40, config.hidden_size, generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        full = mixer(x)
+        state = mixer.init_state(1, max_length=8)
+        pieces = [mixer(x[:, :5], state), mixer(x[:, 5:20], state)]  # 5 used of 8, then 15 more
+        assert state.keys.shape[2] == 20
+        pieces += [mixer(x[:, t:t + 1], state) for t in range(20, 40)]
+    assert_close_rel(torch.cat(pieces, 1), full)
+    assert state.nbytes() == expected_nbytes("attention", config, 1, 40)
+    assert state.keys.shape[2] == 45  # 20 -> 30 -> 45: two copies for twenty single-token steps
+    assert state.reserved_nbytes() > state.nbytes()
