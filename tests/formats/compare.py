@@ -93,6 +93,23 @@ def check_continuation(ours, ids: torch.Tensor, splits=(5, 1, 4), rel: float = 1
     assert err <= rel, f"cache continuation differs from the full forward: relative error {err:.3g}"
 
 
+def check_export_round_trip(ours, source_directory, out_directory, model_type: str, hf_class, vocab_size: int,
+                            length: int = 19) -> None:
+    """hybridlm -> ``model_type`` -> transformers: the exact tensors under the names transformers saved in
+    ``source_directory``, and transformers reloads the export as ``hf_class`` with the same logits."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ours.save_pretrained(out_directory, format=model_type)
+    original = load_file(source_directory / "model.safetensors")
+    exported = load_file(out_directory / "model.safetensors")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[name], exported[name]) for name in original)
+    back = AutoModelForCausalLM.from_pretrained(out_directory).eval()
+    assert isinstance(back, hf_class)
+    check_logits(back, ours, random_ids(vocab_size, 2, length))
+
+
 def check_all(hf_model, ours, vocab_size: int, length: int = 13) -> None:
     """Logits (batch of two, length not a multiple of any chunk size), greedy decoding, padding, continuation."""
     ids = random_ids(vocab_size, 2, length)

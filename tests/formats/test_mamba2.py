@@ -2,15 +2,14 @@
 and exported back to a directory transformers loads as Mamba-2."""
 
 import pytest
-import torch
 import transformers
-from safetensors.torch import load_file
 
 import hybridlm
 
 from .compare import (
     check_all,
     check_continuation,
+    check_export_round_trip,
     check_logits,
     random_ids,
     randomize,
@@ -53,14 +52,8 @@ def test_time_step_limit_is_applied(tmp_path):
 
 
 def test_export_round_trip_is_exact(mamba2, tmp_path):
-    hf, ours, directory = mamba2
-    ours.save_pretrained(tmp_path, format="mamba2")
-    original, exported = load_file(directory / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(original[name], exported[name]) for name in original)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert isinstance(back, transformers.Mamba2ForCausalLM)
-    check_logits(back, ours, random_ids(VOCAB, 2, 19))
+    _, ours, directory = mamba2
+    check_export_round_trip(ours, directory, tmp_path, "mamba2", transformers.Mamba2ForCausalLM, VOCAB)
 
 
 def test_hybridlm_model_exports_to_mamba2(tmp_path):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import hybridlm
 
-from .compare import check_all, check_logits, random_ids, randomize, save_and_load
+from .compare import check_all, check_export_round_trip, check_logits, random_ids, randomize, save_and_load
 
 VOCAB = 256
 
@@ -80,14 +80,8 @@ def test_legacy_pattern_stacked_experts_and_model_prefix(nemotron, tmp_path):
 
 
 def test_export_round_trip_is_exact(nemotron, tmp_path):
-    hf, ours, directory = nemotron
-    ours.save_pretrained(tmp_path, format="nemotron_h")
-    original, exported = load_file(directory / "model.safetensors"), load_file(tmp_path / "model.safetensors")
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(original[name], exported[name]) for name in original)
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    assert isinstance(back, transformers.NemotronHForCausalLM)
-    check_logits(back, ours, random_ids(VOCAB, 2, 19))
+    _, ours, directory = nemotron
+    check_export_round_trip(ours, directory, tmp_path, "nemotron_h", transformers.NemotronHForCausalLM, VOCAB)
 
 
 LAYER_KINDS = [("mamba2", "none"), ("attention", "none"), ("none", "dense"), ("none", "moe"), ("mamba2", "dense"),
