@@ -12,6 +12,8 @@ causal_compressed_attention = Dispatcher("causal_compressed_attention")
 causal_conv1d = Dispatcher("causal_conv1d")
 causal_conv1d_update = Dispatcher("causal_conv1d_update")
 causal_linear_attention = Dispatcher("causal_linear_attention")
+gated_delta_rule = Dispatcher("gated_delta_rule")
+gated_delta_rule_step = Dispatcher("gated_delta_rule_step")
 selective_scan = Dispatcher("selective_scan")
 selective_state_update = Dispatcher("selective_state_update")
 ssd_chunk_scan = Dispatcher("ssd_chunk_scan")
@@ -23,6 +25,8 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "causal_linear_attention",
+    "gated_delta_rule",
+    "gated_delta_rule_step",
     "report",
     "selective_scan",
     "selective_state_update",

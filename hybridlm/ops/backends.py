@@ -36,6 +36,7 @@ import torch
 from .attention import attention_ref
 from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from .compressed_attention import causal_compressed_attention_ref
+from .delta_rule import gated_delta_rule_ref, gated_delta_rule_step_ref
 from .linear_attention import causal_linear_attention_ref
 from .selective_scan import selective_scan_ref, selective_state_update_ref
 from .ssd import ssd_chunk_scan_ref
@@ -56,6 +57,8 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "causal_conv1d_update": ("causal_conv1d", "triton", "torch"),
     "causal_linear_attention": ("triton", "torch"),
     "causal_compressed_attention": ("torch",),
+    "gated_delta_rule": ("torch",),
+    "gated_delta_rule_step": ("torch",),
 }
 
 REFERENCES: dict[str, Callable] = {
@@ -67,6 +70,8 @@ REFERENCES: dict[str, Callable] = {
     "causal_conv1d_update": causal_conv1d_update_ref,
     "causal_linear_attention": causal_linear_attention_ref,
     "causal_compressed_attention": causal_compressed_attention_ref,
+    "gated_delta_rule": gated_delta_rule_ref,
+    "gated_delta_rule_step": gated_delta_rule_step_ref,
 }
 
 

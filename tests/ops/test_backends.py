@@ -50,6 +50,10 @@ def sample_call(op: str, device: str) -> tuple[tuple, dict]:
         "causal_linear_attention": ((r(1, 2, 6, 4), r(1, 2, 6, 4).exp(), r(1, 2, 6, 3), -r(1, 2, 6).abs()), {}),
         "causal_compressed_attention": ((r(1, 2, 6, 4), r(1, 2, 6, 4), r(1, 2, 6, 4), r(1, 6, 3), r(1, 6, 3)),
                                         {"scale": 0.5}),
+        "gated_delta_rule": ((r(1, 9, 1, 4), r(1, 9, 1, 4), r(1, 9, 2, 3), -r(1, 9, 2).exp(), r(1, 9, 2).sigmoid()),
+                             {"chunk_size": 4}),
+        "gated_delta_rule_step": ((r(2, 2, 4, 3), r(2, 1, 4), r(2, 1, 4), r(2, 2, 3), -r(2, 2).exp(),
+                                   r(2, 2).sigmoid()), {}),
     }
     return calls[op]
 
