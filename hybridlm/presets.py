@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from .config import HybridConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import HybridConfig
 
 _SMALL = dict(
     vocab_size=4096, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
     mamba_d_state=16, mamba2_d_state=64, mamba2_head_dim=32, mamba2_chunk_size=64, performer_num_features=64,
     linformer_rank=64, linformer_max_length=16384,
+)
+
+# The bundled models' shapes (hybridlm.bundled_model_dir): a 1:3 attention:Mamba-2 hybrid and an all-attention
+# twin with a wider MLP so both have about the same parameter count (vocab_size comes from the tokenizer).
+_TINY = dict(
+    vocab_size=4096, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, mamba2_d_state=32,
+    mamba2_head_dim=32, mamba2_chunk_size=64, max_position_embeddings=None,
 )
 
 PRESETS: dict[str, dict] = {
@@ -20,10 +30,16 @@ PRESETS: dict[str, dict] = {
     "hybrid2-small": dict(_SMALL, layer_pattern="SSSSASSS"),
     "performer-small": dict(_SMALL, layer_pattern="PPPPAPPP"),
     "linformer-small": dict(_SMALL, layer_pattern="LLLLALLL"),
+    "hybrid-tiny": dict(_TINY, layer_pattern="SSSASSSA", intermediate_size=384),
+    "attention-tiny": dict(_TINY, layer_pattern="AAAAAAAA", intermediate_size=512),
 }
 
 
 def preset(name: str, **overrides) -> HybridConfig:
+    """The :class:`~hybridlm.HybridConfig` of preset ``name``; ``overrides`` replace its fields. (HybridConfig is
+    imported here so that listing :data:`PRESETS`, as ``hybridlm --help`` does, needs no torch.)"""
+    from .config import HybridConfig
+
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")
     return HybridConfig(**{**PRESETS[name], **overrides})

@@ -1,0 +1,185 @@
+"""The training loop: AdamW, warmup + cosine, clipping, gradient accumulation, fp32 or bf16 autocast,
+activation checkpointing, MoE auxiliary loss, periodic evaluation, checkpoints and exact resume.
+
+``batch_size`` is the global batch: sequences per optimizer step, summed over accumulation steps (and ranks),
+so the same settings give the same training however the batch is split.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .metrics import MetricsLog, plot_loss
+from .packing import PackedRows, rows_for_step
+
+LAYOUTS = ("documents", "stream")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    batch_size: int = 16  # global: sequences per optimizer step
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    warmup: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    precision: str = "fp32"
+    checkpointing: bool = False  # activation checkpointing
+    layout: str = "documents"  # see hybridlm.training.packing
+    eval_every: int = 200
+    eval_rows: int = 32  # held-out rows evaluated every eval_every steps (all of them at the end)
+    save_every: int = 200
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "grad_accum", "eval_every", "save_every", "log_every", "eval_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by --grad-accum {self.grad_accum}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"--lr must be a positive number, got {self.lr}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"--layout must be one of {LAYOUTS}, got {self.layout!r}")
+
+    def schedule(self, step: int) -> float:
+        """Learning-rate multiplier at ``step``: linear warmup, then cosine down to ``min_lr_ratio``."""
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _autocast(precision: str):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+
+
+def token_losses(model, batch: dict[str, torch.Tensor], precision: str = "fp32"):
+    """Summed next-token cross-entropy over the batch's labelled targets, their count, and the MoE aux loss."""
+    with _autocast(precision):
+        out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"))
+    targets = batch["labels"][:, 1:]
+    loss_sum = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100,
+                               reduction="sum")
+    return loss_sum, int((targets != -100).sum()), out.aux_loss
+
+
+@torch.no_grad()
+def evaluate(model, rows: PackedRows, layout: str, limit: int | None = None, batch_size: int = 8,
+             precision: str = "fp32") -> float:
+    """Mean cross-entropy (nats per target token) over the first ``limit`` rows (all without a limit)."""
+    was_training = model.training
+    model.eval()
+    count = len(rows) if limit is None else min(limit, len(rows))
+    total, targets = 0.0, 0
+    for start in range(0, count, batch_size):
+        batch = rows.batch(torch.arange(start, min(start + batch_size, count)), layout)
+        loss_sum, n, _ = token_losses(model, batch, precision)
+        total, targets = total + float(loss_sum), targets + n
+    model.train(was_training)
+    return total / max(targets, 1)
+
+
+def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows: PackedRows | None = None,
+          tokens_per_byte: float | None = None, resume: bool = False, parallel=None) -> dict:
+    """Train ``model`` on ``rows``; checkpoints and metrics go to ``out``. Returns the last logged metrics.
+
+    ``parallel`` (a :class:`hybridlm.training.distributed.Parallel`; single-process when None) wraps the model,
+    shards each global batch by rank and reduces the logged numbers."""
+    from .distributed import SingleProcess
+
+    parallel = parallel or SingleProcess()
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config.seed)
+    if config.checkpointing:
+        model.gradient_checkpointing_enable()
+    model.train()
+    wrapped = parallel.wrap(model)
+    optimizer = torch.optim.AdamW(_param_groups(model, config.weight_decay), lr=config.lr, betas=config.betas)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.schedule)
+    state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
+    if resume:
+        state.update(parallel.load(out, model, optimizer, scheduler))
+    log = MetricsLog(out, resume_step=state["step"] if resume else None) if parallel.is_main else None
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)
+    micro = config.batch_size // config.grad_accum
+    parallel.check_batch(micro)
+    seq_len = rows.ids.shape[1]
+    progress = tqdm(range(state["step"], config.steps), initial=state["step"], total=config.steps,
+                    desc="training", disable=not parallel.is_main, dynamic_ncols=True)
+    window_loss, window_targets, window_start, last = 0.0, 0, time.perf_counter(), {}
+    for step in progress:
+        indices = rows_for_step(step, config.batch_size, len(rows), config.seed)
+        global_targets = int((rows.batch(indices, config.layout)["labels"][:, 1:] != -100).sum())
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        chunks = indices.split(micro)
+        for k, chunk in enumerate(chunks):
+            batch = rows.batch(parallel.shard(chunk), config.layout)
+            with parallel.no_sync(wrapped, last_micro=k == len(chunks) - 1):
+                loss_sum, _, aux = token_losses(wrapped, batch, config.precision)
+                loss = loss_sum / global_targets
+                if aux is not None and coef:
+                    loss = loss + coef * aux * (len(chunk) / config.batch_size)
+                loss.backward()
+            step_loss += float(loss_sum.detach())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip))
+        optimizer.step()
+        scheduler.step()
+        step_loss = parallel.sum(step_loss)
+        state["step"], state["tokens"] = step + 1, state["tokens"] + config.batch_size * seq_len
+        window_loss, window_targets = window_loss + step_loss, window_targets + global_targets
+        if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+            now = time.perf_counter()
+            state["elapsed_s"] += now - window_start
+            tokens_per_s = config.log_every * config.batch_size * seq_len / max(now - window_start, 1e-9)
+            last = {"step": step + 1, "loss": window_loss / window_targets, "lr": scheduler.get_last_lr()[0],
+                    "tokens": state["tokens"], "tokens_per_s": tokens_per_s, "grad_norm": grad_norm,
+                    "elapsed_s": state["elapsed_s"]}
+            progress.set_postfix(loss=f"{last['loss']:.3f}", lr=f"{last['lr']:.2e}", tok_s=f"{tokens_per_s:.0f}")
+            if log:
+                log.write(last)
+            window_loss, window_targets, window_start = 0.0, 0, now
+        final = step + 1 == config.steps
+        if eval_rows is not None and ((step + 1) % config.eval_every == 0 or final):
+            eval_loss = evaluate(model, eval_rows, config.layout, None if final else config.eval_rows,
+                                 precision=config.precision)
+            row = {"step": step + 1, "tokens": state["tokens"], "eval_loss": eval_loss}
+            if tokens_per_byte is not None:
+                row["bits_per_byte"] = eval_loss * tokens_per_byte / math.log(2)
+            last.update(row)
+            if log:
+                log.write(row)
+                plot_loss(log.rows(), out / "loss.png")
+            window_start = time.perf_counter()  # evaluation time is not training time
+        if (step + 1) % config.save_every == 0 or final:
+            parallel.save(out, model, optimizer, scheduler, dict(state))
+            window_start = time.perf_counter()
+    if log:
+        plot_loss(log.rows(), out / "loss.png")
+    return last
+
+
+def _param_groups(model, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not on norms, biases, SSM scalars)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]

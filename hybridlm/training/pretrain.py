@@ -1,0 +1,192 @@
+"""Pretraining from the command line: ``hybridlm train ...`` and ``recipes/pretrain.py`` run this.
+
+    hybridlm train --model hybrid-tiny --steps 2000 --out runs/tiny
+    torchrun --nproc_per_node 2 recipes/pretrain.py --parallel ddp --model hybrid-tiny --out runs/tiny
+
+Everything is validated before training starts, and nothing in ``--out`` is overwritten without ``--resume``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .loop import LAYOUTS, PRECISIONS, TrainConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    defaults = TrainConfig()
+    add = parser.add_argument
+    add("--model", default="hybrid-tiny",
+        help="a preset name, a HybridConfig JSON file, or a checkpoint directory in any format hybridlm loads "
+             "(default: %(default)s)")
+    add("--data", nargs="+", default=None,
+        help="training text: files, directories or globs (default: the Python standard library's sources, "
+             "with hybridlm.training.HELD_OUT_STDLIB held out)")
+    add("--eval-data", nargs="+", default=None,
+        help="held-out text (default: the standard library's held-out files, or every 50th --data file)")
+    add("--tokenizer", default=None,
+        help="a tokenizer directory to reuse (default: train a byte-level BPE on the training text)")
+    add("--vocab-size", type=int, default=4096, help="vocabulary of a newly trained BPE (default: %(default)s)")
+    add("--seq-len", type=int, default=512, help="tokens per training row (default: %(default)s)")
+    add("--batch-size", type=int, default=defaults.batch_size,
+        help="global batch: rows per optimizer step, over all ranks and accumulation steps (default: %(default)s)")
+    add("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per step (default: %(default)s)")
+    add("--steps", type=int, default=defaults.steps, help="optimizer steps (default: %(default)s)")
+    add("--lr", type=float, default=defaults.lr, help="peak learning rate (default: %(default)s)")
+    add("--warmup", type=int, default=defaults.warmup, help="linear warmup steps (default: %(default)s)")
+    add("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (default: %(default)s)")
+    add("--precision", choices=PRECISIONS, default=defaults.precision, help="(default: %(default)s)")
+    add("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
+    add("--layout", choices=LAYOUTS, default=defaults.layout,
+        help="documents: packed, positions restart per document; stream: GPT-style rows (default: %(default)s)")
+    add("--eval-every", type=int, default=defaults.eval_every, help="steps between evaluations (default: %(default)s)")
+    add("--eval-rows", type=int, default=defaults.eval_rows,
+        help="held-out rows per periodic evaluation; the final one uses all (default: %(default)s)")
+    add("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (default: %(default)s)")
+    add("--log-every", type=int, default=defaults.log_every, help="steps between metrics rows (default: %(default)s)")
+    add("--out", type=Path, required=True, help="output directory (checkpoint, metrics.jsonl, loss.png, model)")
+    add("--resume", action="store_true", help="continue the run in --out exactly where its checkpoint stopped")
+    add("--seed", type=int, default=defaults.seed, help="(default: %(default)s)")
+    add("--parallel", choices=("none", "ddp", "fsdp"), default="none",
+        help="data parallelism under torchrun (default: %(default)s)")
+    add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add("--sample", default="def ", help="prompt of the sample printed at the end (default: %(default)r)")
+    return parser
+
+
+def _train_config(args) -> TrainConfig:
+    return TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                       warmup=args.warmup, weight_decay=args.weight_decay, precision=args.precision,
+                       checkpointing=args.checkpointing, layout=args.layout, eval_every=args.eval_every,
+                       eval_rows=args.eval_rows, save_every=args.save_every, log_every=args.log_every, seed=args.seed)
+
+
+def _corpus(args):
+    from .corpus import stdlib_corpus, text_corpus
+
+    if args.data is None and args.eval_data is None:
+        return stdlib_corpus()
+    if args.data is None:
+        raise ValueError("--eval-data needs --data")
+    return text_corpus(args.data, args.eval_data)
+
+
+def _tokenizer(args, corpus, out: Path, resume: bool):
+    from .tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    if resume or args.tokenizer is None and (out / "tokenizer.json").is_file():
+        return load_tokenizer(out)
+    if args.tokenizer is not None:
+        return load_tokenizer(args.tokenizer)
+    return train_bpe_tokenizer(corpus.train_texts, args.vocab_size)
+
+
+def build_model(spec: str, vocab_size: int, seed: int):
+    """A model from a preset name, a config JSON file or a checkpoint directory; a new model's vocabulary is
+    the tokenizer's, a loaded model's must hold the tokenizer's."""
+    import torch
+
+    from ..config import HybridConfig
+    from ..model import HybridForCausalLM
+    from ..presets import PRESETS, preset
+
+    path = Path(spec)
+    if path.is_dir():
+        from .. import load
+
+        model = load(path, dtype=torch.float32)
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(f"the tokenizer has {vocab_size} entries but the model {spec} only "
+                             f"{model.config.vocab_size}")
+        return model
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise FileNotFoundError(f"--model {spec}: no such file")
+        config = HybridConfig(**{**json.loads(path.read_text()), "vocab_size": vocab_size})
+    elif spec in PRESETS:
+        config = preset(spec, vocab_size=vocab_size)
+    else:
+        raise ValueError(f"--model {spec!r} is not a preset ({', '.join(sorted(PRESETS))}), a config file or a "
+                         "checkpoint directory")
+    torch.manual_seed(seed)
+    return HybridForCausalLM(config)
+
+
+def run(args) -> dict:
+    """Validate, prepare the data, train, save the model with its tokenizer; returns the last metrics."""
+    import torch
+
+    from .distributed import SingleProcess
+    from .loop import train
+    from .packing import pack_documents, tokenize_documents
+
+    config = _train_config(args)
+    parallel = SingleProcess() if args.parallel == "none" else _distributed(args.parallel)
+    out: Path = args.out
+    if not args.resume and (out / "checkpoint").exists():
+        raise FileExistsError(f"--out {out} already holds a checkpoint: pass --resume to continue it, or another --out")
+    if args.resume and not (out / "checkpoint").exists():
+        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    corpus = _corpus(args)
+    tokenizer = _tokenizer(args, corpus, out, args.resume)
+    model = build_model(args.model, len(tokenizer), args.seed)
+    limit = model.config.max_length_limit
+    if limit is not None and args.seq_len > limit:
+        raise ValueError(f"--seq-len {args.seq_len} is beyond the model's limit of {limit} positions")
+    parallel.check_batch(config.batch_size // config.grad_accum)
+    if args.resume:
+        from .checkpoint import check_resumable
+
+        check_resumable(out, model)
+    eos = tokenizer.eos_token_id
+    rows = pack_documents(tokenize_documents(tokenizer, corpus.train_texts), args.seq_len, eos)
+    held_out_stream = tokenize_documents(tokenizer, corpus.held_out_texts)
+    eval_rows = pack_documents(held_out_stream, args.seq_len, eos)
+    # bytes of the held-out text, each document separator counted as one byte
+    held_out_bytes = sum(len(t.encode("utf-8")) + 1 for t in corpus.held_out_texts)
+    tokens_per_byte = len(held_out_stream) / held_out_bytes
+    if parallel.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(out)
+        print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, layers {model.config.layer_types}")
+        print(f"data: {len(rows)} rows x {args.seq_len} tokens for training ({len(corpus.train)} documents), "
+              f"{len(eval_rows)} held-out rows; {1 / tokens_per_byte:.2f} bytes per token")
+    last = train(model, rows, config, out, eval_rows=eval_rows, tokens_per_byte=tokens_per_byte,
+                 resume=args.resume, parallel=parallel)
+    if parallel.is_main:
+        model.config.eos_token_id = model.generation_config.eos_token_id = eos
+        model.config.bos_token_id = model.generation_config.bos_token_id = eos
+        model.save_pretrained(out)
+        print(json.dumps(last))
+        if args.sample:
+            print(sample(model, tokenizer, args.sample))
+    return last
+
+
+def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
+    """Greedy continuation of ``prompt`` (a quick look at what the model learned)."""
+    from ..generation import IncrementalDecoder
+
+    model.eval()
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    out = IncrementalDecoder(model).generate([ids], max_new_tokens=max_new_tokens)[0, len(ids):]
+    return prompt + tokenizer.decode(out.tolist())
+
+
+def _distributed(kind: str):
+    from .distributed import from_environment
+
+    return from_environment(kind)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run(add_arguments(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Byte-level BPE tokenizers trained with the ``tokenizers`` library and saved so ``AutoTokenizer`` loads them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
+    """A byte-level BPE (GPT-2 style pre-tokenisation, every byte in the base alphabet, so any text encodes)
+    with one special token, ``<|endoftext|>``, that separates documents. Returns a
+    ``PreTrainedTokenizerFast``; ``save_pretrained`` writes ``tokenizer.json`` + ``tokenizer_config.json``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 257 + 1:
+        raise ValueError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least 258 entries (256 bytes, "
+                         "the end-of-text token and one merge)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   unk_token=None, model_max_length=1 << 30)
+
+
+def load_tokenizer(path: str | Path):
+    """A tokenizer saved in a directory (``AutoTokenizer.from_pretrained``), with a clear error when missing."""
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--tokenizer {path}: no such directory")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"--tokenizer {path}: the tokenizer has no eos_token to separate documents")
+    return tokenizer
+
