@@ -192,20 +192,39 @@ def load(backend: str, op: str, device_type: str) -> Callable:
 
 # ---- plans and selections -------------------------------------------------------------------------------------
 
-class Plan:
-    """How one op runs on one device type: ``candidates`` tried in turn while they decline, then ``last``."""
+PACKING_ARGUMENTS = ("seq_idx", "cu_seqlens")  # packed sequences (see hybridlm.ops.packing)
 
-    __slots__ = ("candidates", "last", "names")
+
+def _takes_packing(function: Callable) -> bool:
+    """Whether ``function`` accepts packed sequences; a backend that does not is never given them."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in parameters for name in PACKING_ARGUMENTS)
+
+
+class Plan:
+    """How one op runs on one device type: ``candidates`` tried in turn while they decline, then ``last``.
+    A call with packed sequences skips the candidates that cannot take them; ``last`` refuses it if it cannot."""
+
+    __slots__ = ("candidates", "last", "names", "packing")
 
     def __init__(self, candidates: tuple[Callable, ...], last: Callable, names: tuple[str, ...]):
         self.candidates, self.last, self.names = candidates, last, names
+        self.packing = tuple(map(_takes_packing, (*candidates, last)))  # which of them take packed sequences
 
     def __call__(self, *args, **kwargs):
-        for candidate in self.candidates:
+        packed = bool(kwargs) and any(kwargs.get(name) is not None for name in PACKING_ARGUMENTS)
+        for candidate, packs in zip(self.candidates, self.packing):
+            if packed and not packs:
+                continue
             try:
                 return candidate(*args, **kwargs)
             except Declined:
                 pass
+        if packed and not self.packing[-1]:
+            raise BackendUnavailable(f"backend {self.names[-1]!r} cannot take packed sequences (seq_idx / cu_seqlens)")
         return self.last(*args, **kwargs)
 
 
@@ -215,6 +234,7 @@ def _forced_plan(op: str, backend: str, device_type: str) -> Plan:
     except BackendUnavailable as error:
         message = str(error)
 
+        @functools.wraps(REFERENCES[op])  # the op's signature: a packed call gets this message too
         def unavailable(*args, **kwargs):
             raise BackendUnavailable(message)
 
@@ -222,6 +242,7 @@ def _forced_plan(op: str, backend: str, device_type: str) -> Plan:
     if backend not in LIBRARIES:  # only adapters decline
         return Plan((), function, (backend,))
 
+    @functools.wraps(function)
     def strict(*args, **kwargs):
         try:
             return function(*args, **kwargs)

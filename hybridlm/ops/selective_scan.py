@@ -13,17 +13,41 @@ The scan is chunked in two levels, so ``T`` tokens cost about ``L + T / L`` vect
 chunk-boundary states are carried across chunks (``T / L`` steps) and added back weighted by the cumulative
 decay inside each chunk. Only products of decays ``<= 1`` are formed, never their inverses, so it is as stable
 as the sequential loop. Long inputs are processed in blocks of time that keep the working tensors small.
+
+Packed sequences (``seq_idx`` / ``cu_seqlens``, see :mod:`.packing`) set the decay to zero at each sequence's
+first token, where the sequence's own initial state (decayed by that token's step) is added instead.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from .packing import check_initial_states, nonempty_spans, packed_sequences
 
 # Working tensors are [block, batch, dim, dstate]; about 4 MiB of fp32 each keeps them in the allocator's
 # reuse pool (fresh multi-MiB allocations page-fault on every call and cost more than the arithmetic).
 _BLOCK_ELEMENTS = 1 << 20
 _CHUNK = 16
+
+
+class Restarts(NamedTuple):
+    """Packed sequences inside one block of time: first tokens ``starts [m]`` with their initial states
+    ``initial [m, 1, dim, dstate]`` (None: zeros), and last tokens ``lasts [k]`` whose states are wanted."""
+
+    starts: torch.Tensor
+    initial: torch.Tensor | None
+    lasts: torch.Tensor
+
+
+def _block_restarts(bounds, initial_state, block_start, block_stop, device) -> Restarts:
+    spans = nonempty_spans(bounds, device)
+    starting = (spans.starts >= block_start) & (spans.starts < block_stop)
+    ending = (spans.lasts >= block_start) & (spans.lasts < block_stop)
+    initial = None if initial_state is None else initial_state.float()[spans.index[starting]].unsqueeze(1)
+    return Restarts(spans.starts[starting] - block_start, initial, spans.lasts[ending] - block_start)
 
 
 def _grouped(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -35,10 +59,11 @@ def _grouped(x: torch.Tensor, name: str) -> torch.Tensor:
     return x.permute(3, 0, 1, 2).contiguous()
 
 
-def _scan_block(u, dt, A, B, C, state, chunk, inplace):
+def _scan_block(u, dt, A, B, C, state, chunk, inplace, restarts=None):
     """Two-level scan of one time-major block.
 
-    u, dt: [T, b, d]; B, C: [T, b, g, n]; state: [b, d, n] (fp32). Returns y [T, b, d] and the final state.
+    u, dt: [T, b, d]; B, C: [T, b, g, n]; state: [b, d, n] (fp32). Returns y [T, b, d], the final state and the
+    states after the tokens ``restarts.lasts`` (packed sequences, else None).
     """
     t, b, d = u.shape
     g, n = B.shape[2], A.shape[-1]
@@ -47,8 +72,13 @@ def _scan_block(u, dt, A, B, C, state, chunk, inplace):
     if pad:  # dt = 0 on padding: decay 1 and no input, so the carried state is untouched
         u, dt = F.pad(u, (0, 0, 0, 0, 0, pad)), F.pad(dt, (0, 0, 0, 0, 0, pad))
         B, C = F.pad(B, (0, 0, 0, 0, 0, 0, 0, pad)), F.pad(C, (0, 0, 0, 0, 0, 0, 0, pad))
-    decay = torch.exp(dt.unsqueeze(-1) * A).view(nc, chunk, b, d, n)
-    drive = ((dt * u).view(-1, b, g, d // g, 1) * B.unsqueeze(3)).view(nc, chunk, b, d, n)
+    decay = torch.exp(dt.unsqueeze(-1) * A)  # [T, b, d, n]
+    drive = ((dt * u).view(-1, b, g, d // g, 1) * B.unsqueeze(3)).view(-1, b, d, n)
+    if restarts is not None:  # a sequence's first token forgets the state before it and takes its own
+        if restarts.initial is not None:
+            drive = drive.index_add(0, restarts.starts, decay[restarts.starts] * restarts.initial)
+        decay = decay.index_fill(0, restarts.starts, 0.0)
+    decay, drive = decay.view(nc, chunk, b, d, n), drive.view(nc, chunk, b, d, n)
 
     # 1. every chunk from a zero state, all chunks at once
     if inplace:  # running products by slices: torch.cumprod along dim 1 is several times slower on CPU
@@ -71,9 +101,10 @@ def _scan_block(u, dt, A, B, C, state, chunk, inplace):
 
     # 3. full states, read out by C
     h = local.addcmul_(within, entering) if inplace else torch.addcmul(local, within, entering)
+    ended = h.view(nc * chunk, b, d, n)[restarts.lasts] if restarts is not None else None
     h = h.view(nc * chunk * b * g, d // g, n)
     y = torch.bmm(h, C.reshape(nc * chunk * b * g, n, 1)).view(nc * chunk, b, d)
-    return y[:t], state
+    return y[:t], state, ended
 
 
 def selective_scan_ref(
@@ -89,12 +120,17 @@ def selective_scan_ref(
     *,
     initial_state: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    seq_idx: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Selective scan over ``time``; returns ``(y [batch, dim, time], final_state [batch, dim, dstate] fp32)``.
 
-    ``chunk_size`` (default 16) changes only the rounding, not the result.
+    ``chunk_size`` (default 16) changes only the rounding, not the result. Packed (batch 1, ``seq_idx`` or
+    ``cu_seqlens``), ``initial_state`` and ``final_state`` are ``[n_seqs, dim, dstate]``.
     """
     batch, dim, time = u.shape
+    bounds = packed_sequences(batch, time, seq_idx, cu_seqlens)
+    check_initial_states("selective_scan", bounds, initial_state)
     dstate = A.shape[-1]
     if A.shape != (dim, dstate) or delta.shape != u.shape:
         raise ValueError(
@@ -109,7 +145,8 @@ def selective_scan_ref(
     if delta_softplus:
         dt = F.softplus(dt)
     state = (
-        u.new_zeros(batch, dim, dstate, dtype=torch.float32) if initial_state is None else initial_state.float()
+        u.new_zeros(batch, dim, dstate, dtype=torch.float32)
+        if initial_state is None or bounds is not None else initial_state.float()
     )
     uf, Af = u.float(), A.float()
     ut, dtt = uf.permute(2, 0, 1).contiguous(), dt.permute(2, 0, 1).contiguous()
@@ -118,15 +155,21 @@ def selective_scan_ref(
     inplace = not (torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (u, delta, A, B, C, delta_bias, initial_state)
     ))
-    outputs = []
+    outputs, ended = [], []
     for start in range(0, time, block):
         stop = min(time, start + block)
-        y, state = _scan_block(
+        restarts = None if bounds is None else _block_restarts(bounds, initial_state, start, stop, u.device)
+        y, state, block_ended = _scan_block(
             ut[start:stop], dtt[start:stop], Af, Bt[start:stop], Ct[start:stop], state, min(chunk, stop - start),
-            inplace,
+            inplace, restarts,
         )
         outputs.append(y)
+        ended.append(block_ended)
     y = torch.cat(outputs).permute(1, 2, 0) if outputs else uf.new_zeros(batch, dim, 0)
+    if bounds is not None:  # the state after each sequence's last token; an empty one keeps its initial state
+        final = state.new_zeros(len(bounds) - 1, dim, dstate) if initial_state is None else initial_state.float()
+        ended = torch.cat(ended)[:, 0] if ended else state.new_zeros(0, dim, dstate)
+        state = final.index_put((nonempty_spans(bounds, u.device).index,), ended)
     if D is not None:
         y = y + uf * D.float().unsqueeze(-1)
     if z is not None:

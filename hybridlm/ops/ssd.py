@@ -12,9 +12,15 @@ chunks at once by the segment-sum matrix of chunk decays.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from einops import rearrange
+
+from .packing import check_initial_states, nonempty_spans, packed_sequences
+
+__all__ = ["chunked_decay_scan", "packed_sequences", "segment_sum", "ssd_chunk_scan_ref", "ssd_through"]
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -38,10 +44,16 @@ def chunked_decay_scan(
     log_decay: torch.Tensor | None,
     chunk_size: int,
     initial_state: torch.Tensor | None = None,
+    sequences: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q, k [batch, time, groups, dim_k]``, ``v [batch, time, heads, dim_v]``, ``log_decay [batch, time, heads]``
     (None: no decay). Returns ``(y [batch, time, heads, dim_v] fp32, final_state [batch, heads, dim_v, dim_k]
-    fp32)``. The chunk size changes only the rounding."""
+    fp32)``. The chunk size changes only the rounding.
+
+    ``sequences``: the boundaries ``[0, ..., time]`` of sequences packed in a batch of one (see
+    :func:`packed_sequences`); then ``initial_state`` and the final state have one row per sequence. Packing is
+    a decay of zero (log decay ``-inf``) at each sequence's first token, so no term crosses a boundary, and each
+    initial state enters at its sequence's first token as that token's own outer product would."""
     batch, time, heads, dim_v = v.shape
     groups, dim_k = q.shape[-2:]
     if k.shape != q.shape or q.shape[:2] != v.shape[:2] or heads % groups:
@@ -54,25 +66,34 @@ def chunked_decay_scan(
     if log_decay is None:
         log_decay = v.new_zeros(batch, time, heads, dtype=torch.float32)
     qf, kf, vf, gf = (F.pad(t.float(), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, log_decay))
+    if sequences is not None:
+        starts = nonempty_spans(sequences, v.device).starts
+        start_decay = gf[0, starts]  # [n_nonempty, heads]: the decay each initial state gets at its first token
+        gf = gf.index_fill(1, starts, -torch.inf)  # nothing before a sequence start reaches it
     qc = rearrange(qf, "b (c l) g n -> b c l g n", l=chunk)
     kc = rearrange(kf, "b (c l) g n -> b c l g n", l=chunk)
     vc = rearrange(vf, "b (c l) (g e) p -> b c l g e p", l=chunk, g=groups)
     decay = rearrange(gf, "b (c l) (g e) -> b g e c l", l=chunk, g=groups)
     within = decay.cumsum(dim=-1)  # log-decay from the chunk start, inclusive
+    inside = torch.exp(segment_sum(decay))  # [b, g, e, c, l, s]: decay from token s to token l of a chunk
 
     # 1. inside each chunk: y = (q k^T * L) v, L the causal decay matrix
-    scores = torch.einsum("bclgn,bcsgn->bgcls", qc, kc).unsqueeze(2) * torch.exp(segment_sum(decay))
+    scores = torch.einsum("bclgn,bcsgn->bgcls", qc, kc).unsqueeze(2) * inside
     y = torch.einsum("bgecls,bcsgep->bclgep", scores, vc)
 
     # 2. the state each chunk adds, as seen at its end
-    to_end = torch.exp(within[..., -1:] - within)  # [b, g, e, c, l]
-    added = torch.einsum("bcsgn,bgecs,bcsgep->bcgepn", kc, to_end, vc)
+    added = torch.einsum("bcsgn,bgecs,bcsgep->bcgepn", kc, inside[..., -1, :], vc)
 
     # 3. pass states across chunks (entry 0 is the initial state)
-    if initial_state is None:
+    if initial_state is None or sequences is not None:
         start = vf.new_zeros(batch, 1, groups, heads // groups, dim_v, dim_k)
     else:
         start = rearrange(initial_state.float(), "b (g e) p n -> b 1 g e p n", g=groups)
+    injected = None
+    if sequences is not None and initial_state is not None:
+        injected = _inject_initial_states(initial_state, sequences, starts, start_decay, inside, qc, groups, chunk)
+        y, added = y.index_add(1, injected.chunks, injected.outputs), added.index_add(1, injected.chunks,
+                                                                                          injected.at_chunk_end)
     states = torch.cat([start, added], dim=1)  # [b, c+1, g, e, p, n]
     across = torch.exp(segment_sum(F.pad(within[..., -1], (1, 0))))  # [b, g, e, c+1, c+1]
     states = torch.einsum("bgezc,bcgepn->bzgepn", across, states)
@@ -81,40 +102,56 @@ def chunked_decay_scan(
     # 4. what the entering state contributes to each position
     y = y + torch.einsum("bclgn,bcgepn,bgecl->bclgep", qc, entering, torch.exp(within))
     y = rearrange(y, "b c l g e p -> b (c l) (g e) p")[:, :time]
+    if sequences is not None:
+        final = _sequence_final_states(sequences, initial_state, injected, entering, within, inside, kc, vc, chunk)
+        return y, final
     return y, rearrange(final, "b g e p n -> b (g e) p n")
 
 
-def packed_sequences(
-    batch: int, time: int, seq_idx: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
-) -> list[int] | None:
-    """Boundaries ``[0, ..., time]`` of the sequences packed along time, or None for an ordinary batch.
+class _Injected(NamedTuple):
+    """Initial states of packed sequences entering at their first tokens (``m`` non-empty sequences)."""
 
-    Packing is given by ``cu_seqlens [n_seqs + 1]`` (cumulative lengths, starting at 0 and ending at ``time``)
-    or ``seq_idx [1, time]`` (each token's sequence number: 0, 0, 1, 1, 1, 2, ...), or both if they agree.
-    Packed input has batch size 1.
-    """
-    if seq_idx is None and cu_seqlens is None:
-        return None
-    if batch != 1:
-        raise ValueError(f"packed sequences (seq_idx / cu_seqlens) need batch size 1, got {batch}")
-    bounds = None
-    if cu_seqlens is not None:
-        bounds = [int(b) for b in torch.as_tensor(cu_seqlens).flatten().tolist()]
-        if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != time or any(a > b for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(
-                f"cu_seqlens must rise from 0 to time={time} with at least one sequence, got {bounds}"
-            )
-    if seq_idx is not None:
-        if tuple(seq_idx.shape) != (1, time) or seq_idx.is_floating_point() or time == 0:
-            raise ValueError(f"seq_idx must be integer [1, time={time}] with time > 0, got {tuple(seq_idx.shape)}")
-        ids = seq_idx[0].tolist()
-        if ids[0] != 0 or any(b - a not in (0, 1) for a, b in zip(ids, ids[1:])):
-            raise ValueError("seq_idx must number the packed sequences 0, 1, 2, ... in order, without gaps")
-        from_ids = [0] + [t for t in range(1, time) if ids[t] != ids[t - 1]] + [time]
-        if bounds is not None and [b for i, b in enumerate(bounds) if i == 0 or b != bounds[i - 1]] != from_ids:
-            raise ValueError(f"seq_idx and cu_seqlens disagree: {from_ids} vs {bounds}")
-        bounds = bounds or from_ids
-    return bounds
+    chunks: torch.Tensor  # [m] chunk of each first token
+    offsets: torch.Tensor  # [m] its place in the chunk
+    states: torch.Tensor  # [m, g, e, p, n] the initial state after the first token's decay
+    outputs: torch.Tensor  # [1, m, l, g, e, p] what it adds to the outputs of its chunk
+    at_chunk_end: torch.Tensor  # [1, m, g, e, p, n] what it adds to its chunk's end state
+
+
+def _inject_initial_states(initial_state, sequences, starts, start_decay, inside, qc, groups, chunk) -> _Injected:
+    """An initial state acts like one more outer product at its sequence's first token: it reaches later
+    tokens of the chunk (and the chunk's end) through the same decay matrix ``inside``."""
+    chunks, offsets = starts // chunk, starts % chunk
+    nonempty = nonempty_spans(sequences, starts.device).index
+    s0 = rearrange(initial_state.float()[nonempty], "m (g e) p n -> m g e p n", g=groups)
+    s0 = s0 * rearrange(torch.exp(start_decay), "m (g e) -> m g e 1 1", g=groups)
+    by_chunk = rearrange(inside[0], "g e c l s -> c l s g e")
+    column = by_chunk[chunks, :, offsets]  # [m, l, g, e]: decay from each first token to the tokens of its chunk
+    outputs = torch.einsum("mlgn,mgepn,mlge->mlgep", qc[0, chunks], s0, column)
+    at_chunk_end = s0 * rearrange(column[:, -1], "m g e -> m g e 1 1")
+    return _Injected(chunks, offsets, s0, outputs.unsqueeze(0), at_chunk_end.unsqueeze(0))
+
+
+def _sequence_final_states(sequences, initial_state, injected, entering, within, inside, kc, vc, chunk):
+    """``[n_seqs, heads, dim_v, dim_k]``: the state after each packed sequence's last token (its initial state,
+    or zeros, for an empty sequence). The state after token ``l`` of chunk ``c`` is the entering state decayed
+    to ``l``, plus the chunk's outer products up to ``l`` decayed to ``l``, plus an initial state injected there."""
+    n_seqs, spans = len(sequences) - 1, nonempty_spans(sequences, entering.device)
+    chunks, offsets = spans.lasts // chunk, spans.lasts % chunk
+    by_chunk = rearrange(inside[0], "g e c l s -> c l s g e")
+    upto = by_chunk[chunks, offsets]  # [m, s, g, e]: decay from each token of the end chunk to the end
+    state = torch.einsum("msgn,msge,msgep->mgepn", kc[0, chunks], upto, vc[0, chunks])
+    from_entering = torch.exp(rearrange(within[0], "g e c l -> c l g e")[chunks, offsets])  # [m, g, e]
+    state = state + entering[0, chunks] * from_entering[..., None, None]
+    if injected is not None:  # an initial state that entered in the end chunk itself
+        reach = by_chunk[chunks, offsets, injected.offsets] * (injected.chunks == chunks)[:, None, None]
+        state = state + injected.states * reach[..., None, None]
+    state = rearrange(state, "m g e p n -> m (g e) p n")
+    if initial_state is None:
+        final = state.new_zeros(n_seqs, *state.shape[1:])
+    else:
+        final = initial_state.float()
+    return final.index_put((spans.index,), state)
 
 
 def ssd_through(scan, x, dt, A, B, C, chunk_size, D=None, initial_state=None, **scan_options):
@@ -154,20 +191,8 @@ def ssd_chunk_scan_ref(
 
     With ``seq_idx`` or ``cu_seqlens`` (see :func:`packed_sequences`) the batch of one holds several sequences
     packed along time; each starts from its own ``initial_state`` row and ends in its own ``final_state`` row
-    (``[n_seqs, heads, head_dim, dstate]``). This reference simply runs each sequence alone.
+    (``[n_seqs, heads, head_dim, dstate]``), all in one chunked scan (see :func:`chunked_decay_scan`).
     """
     bounds = packed_sequences(x.shape[0], x.shape[1], seq_idx, cu_seqlens)
-    if bounds is None:
-        return ssd_through(chunked_decay_scan, x, dt, A, B, C, chunk_size, D, initial_state)
-    n_seqs = len(bounds) - 1
-    if initial_state is not None and initial_state.shape[0] != n_seqs:
-        raise ValueError(f"ssd_chunk_scan: {n_seqs} packed sequences but {initial_state.shape[0]} initial states")
-    ys, finals = [], []
-    for i, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        y, final = ssd_chunk_scan_ref(
-            x[:, start:end], dt[:, start:end], A, B[:, start:end], C[:, start:end], chunk_size, D,
-            initial_state=None if initial_state is None else initial_state[i : i + 1],
-        )
-        ys.append(y)
-        finals.append(final)
-    return torch.cat(ys, dim=1), torch.cat(finals)
+    check_initial_states("ssd_chunk_scan", bounds, initial_state)
+    return ssd_through(chunked_decay_scan, x, dt, A, B, C, chunk_size, D, initial_state, sequences=bounds)
