@@ -1,4 +1,4 @@
-"""The short causal convolution of Mamba and Mamba-2 (depthwise, then SiLU), with its carried window."""
+"""The short causal convolution of Mamba and Mamba-2 (depthwise, then SiLU; LFM2's without), with its window."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ class ShortConv(nn.Conv1d):
     zero history; with one (``[batch, channels, width - 1]``) it continues from it and updates it in place.
     """
 
-    def __init__(self, channels: int, width: int, bias: bool = True):
+    def __init__(self, channels: int, width: int, bias: bool = True, activation: str | None = "silu"):
         super().__init__(channels, channels, width, groups=channels, padding=width - 1, bias=bias)
+        self.activation = activation
 
     def init_window(self, batch_size: int, device=None, dtype=None) -> torch.Tensor:
         return torch.zeros(batch_size, self.in_channels, self.kernel_size[0] - 1, device=device, dtype=dtype)
@@ -24,8 +25,9 @@ class ShortConv(nn.Conv1d):
     def forward(self, x: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight.squeeze(1)
         if window is not None and x.shape[-1] == 1:
-            return ops.causal_conv1d_update(x[..., 0], window, weight, self.bias, activation="silu").unsqueeze(-1)
-        y, final = ops.causal_conv1d(x, weight, self.bias, initial_state=window, activation="silu")
+            return ops.causal_conv1d_update(x[..., 0], window, weight, self.bias,
+                                            activation=self.activation).unsqueeze(-1)
+        y, final = ops.causal_conv1d(x, weight, self.bias, initial_state=window, activation=self.activation)
         if window is not None:
             window.copy_(final)
         return y

@@ -99,6 +99,14 @@ def expected_nbytes(kind, config, batch, tokens, element=4):
         return batch * 4 * config.num_attention_heads * ((config.head_dim + 1) * config.performer_num_features + 1)
     if kind == "linformer":
         return batch * 4 * 2 * config.num_attention_heads * config.linformer_rank * config.head_dim
+    if kind == "gated_deltanet":
+        keys, values = config.deltanet_num_key_heads * config.deltanet_key_head_dim, \
+            config.deltanet_num_value_heads * config.deltanet_value_head_dim
+        return batch * ((2 * keys + values) * (config.deltanet_conv_size - 1) * element
+                        + 4 * config.deltanet_num_value_heads * config.deltanet_key_head_dim
+                        * config.deltanet_value_head_dim)
+    if kind == "short_conv":
+        return batch * config.hidden_size * (config.short_conv_size - 1) * element
     raise AssertionError(kind)
 
 

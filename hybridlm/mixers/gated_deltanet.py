@@ -1,0 +1,98 @@
+"""Gated DeltaNet: the gated delta rule as Qwen3-Next, Qwen3.5 and OLMo-Hybrid use it.
+
+in_proj_qkvz -> (q, k, v, z), in_proj_ba -> (b, a); (q, k, v) -> short causal conv + SiLU; q, k L2-normalised;
+``beta = sigmoid(b)``, log gate ``g = -exp(A_log) * softplus(a + dt_bias)``; o = gated_delta_rule(q, k, v, g,
+beta) per value head; o = RMSNorm(o) * SiLU(z) per head (one norm weight shared by the heads); out_proj.
+Key heads may serve groups of consecutive value heads (``deltanet_num_value_heads`` a multiple of
+``deltanet_num_key_heads``). Our projections keep q, k, v, z (and b, a) as contiguous blocks; formats whose
+checkpoints interleave them per key head (Qwen3-Next) reorder the rows on load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import ops
+from ..cache import SSMState
+from ..layers.conv import ShortConv
+from ..layers.norms import GatedRMSNorm
+from .base import Mixer, invalid_config, register, zero_padding
+
+L2_EPS = 1e-6  # as fla and transformers: x / sqrt(sum(x^2) + eps)
+
+
+def l2_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + 1e-6)`` over the last dim, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
+
+
+def check_positive(config, names) -> None:
+    for name in names:
+        if getattr(config, name) < 1:
+            raise invalid_config(name, getattr(config, name), "must be > 0")
+
+
+@register("gated_deltanet")
+class GatedDeltaNet(Mixer):
+    pattern_letter = "D"
+    config_fields = ("deltanet_num_key_heads", "deltanet_num_value_heads", "deltanet_key_head_dim",
+                     "deltanet_value_head_dim", "deltanet_conv_size", "deltanet_chunk_size")
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        check_positive(config, cls.config_fields)
+        if config.deltanet_num_value_heads % config.deltanet_num_key_heads:
+            raise invalid_config("deltanet_num_value_heads", config.deltanet_num_value_heads,
+                                 f"must be a multiple of deltanet_num_key_heads={config.deltanet_num_key_heads} "
+                                 "(each key head serves a group of consecutive value heads)")
+
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        hidden = config.hidden_size
+        self.key_heads, self.heads = config.deltanet_num_key_heads, config.deltanet_num_value_heads
+        self.dim_k, self.dim_v = config.deltanet_key_head_dim, config.deltanet_value_head_dim
+        self.chunk_size = config.deltanet_chunk_size
+        self.key_dim, self.value_dim = self.key_heads * self.dim_k, self.heads * self.dim_v
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * self.heads, bias=False)
+        self.conv1d = ShortConv(self.conv_dim, config.deltanet_conv_size, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.heads))
+        self.A_log = nn.Parameter(torch.empty(self.heads))
+        self.norm = GatedRMSNorm(self.dim_v, self.dim_v, eps=config.rms_norm_eps, norm_before_gate=True)
+        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+
+    def initial_values(self) -> dict[str, torch.Tensor]:
+        """Qwen3-Next's: ``A`` uniform in [0.01, 16] (log kept away from -inf), ``dt_bias`` ones."""
+        return {"A_log": torch.empty(self.heads).uniform_(0.01, 16).log(), "dt_bias": torch.ones(self.heads)}
+
+    def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> SSMState:
+        return SSMState(
+            conv=self.conv1d.init_window(batch_size, device, dtype),
+            ssm=torch.zeros(batch_size, self.heads, self.dim_k, self.dim_v, device=device, dtype=torch.float32),
+        )
+
+    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None):
+        batch, time, _ = x.shape
+        qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x).split([self.heads, self.heads], dim=-1)  # [batch, time, heads] each
+        qkv = self.conv1d(zero_padding(qkv, mask).transpose(1, 2), state.conv if state is not None else None)
+        q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.view(batch, time, self.key_heads, self.dim_k))  # [batch, time, key_heads, dim_k]
+        k = l2_normalize(k.view(batch, time, self.key_heads, self.dim_k))
+        v = v.reshape(batch, time, self.heads, self.dim_v)
+        beta = zero_padding(torch.sigmoid(b.float()), mask)  # beta = 0 and g = 0: a padded token changes nothing
+        log_gate = zero_padding(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()), mask)
+        if state is not None and time == 1:
+            o = ops.gated_delta_rule_step(state.ssm, q[:, 0], k[:, 0], v[:, 0], log_gate[:, 0], beta[:, 0])
+            o = o.unsqueeze(1)  # [batch, 1, heads, dim_v]
+        else:
+            o, final = ops.gated_delta_rule(q, k, v, log_gate, beta, chunk_size=self.chunk_size,
+                                            initial_state=state.ssm if state is not None else None)
+            if state is not None:
+                state.ssm.copy_(final)
+        o = self.norm(o.to(x.dtype), z.view(batch, time, self.heads, self.dim_v))  # [batch, time, heads, dim_v]
+        return self.out_proj(o.reshape(batch, time, self.value_dim))
