@@ -1,12 +1,15 @@
 """Side-by-side measurements for ``hybridlm bench`` and ``hybridlm demo``: cache bytes and decode speed by
-stack, and the chunked scans against a loop over time. Timings are medians of repeated runs; compare the
-ratios printed in one run, not absolute numbers across machines."""
+stack, and the chunked scans against a loop over time. Every timing runs warm-up calls first, then repeats and
+reports the fastest and the median run (:class:`Timing`): on a busy machine the two drift apart, which shows as
+spread instead of a wrong conclusion. Compare the ratios printed in one run, not absolute numbers across
+machines."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -16,15 +19,35 @@ from .cache import HybridCache, KVState, StateGroup
 from .model import HybridForCausalLM
 
 
-def median_ms(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> float:
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds of repeated runs: the fastest and the median. Formats as ``"min / median"``."""
+
+    min_ms: float
+    median_ms: float
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> Timing:
+        if not seconds:
+            raise ValueError("Timing needs at least one timed run")
+        return cls(1000 * min(seconds), 1000 * statistics.median(seconds))
+
+    def __format__(self, spec: str) -> str:
+        return f"{self.min_ms:{spec}} / {self.median_ms:{spec}}"
+
+
+def time_calls(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> Timing:
+    """``fn()`` run ``warmup`` times untimed, then ``repeats`` times timed."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
     for _ in range(warmup):
         fn()
-    times = []
+    seconds = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        seconds.append(time.perf_counter() - start)
+    return Timing.of(seconds)
 
 
 def fill_cache(cache: HybridCache, context: int, generator: torch.Generator | None = None) -> None:
@@ -53,18 +76,12 @@ def _fill_state(state, context: int, generator) -> None:
 
 
 @torch.no_grad()
-def decode_ms_per_token(model: HybridForCausalLM, context: int, steps: int = 8, batch: int = 1) -> float:
-    """Median time of one decode step with ``context`` tokens already in the cache."""
-    cache = model.new_cache(batch, max_length=context + steps + 2)
+def decode_timing(model: HybridForCausalLM, context: int, steps: int = 8, batch: int = 1, warmup: int = 2) -> Timing:
+    """Time of one decode step with about ``context`` tokens already in the cache (each step adds one)."""
+    cache = model.new_cache(batch, max_length=context + warmup + steps + 1)
     fill_cache(cache, context, torch.Generator().manual_seed(0))
     token = torch.zeros(batch, 1, dtype=torch.long)
-    model(token, cache=cache)  # warm-up
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        model(token, cache=cache)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return time_calls(lambda: model(token, cache=cache), repeats=steps, warmup=warmup)
 
 
 def cache_bytes(model: HybridForCausalLM, context: int) -> tuple[int, float]:
@@ -75,14 +92,15 @@ def cache_bytes(model: HybridForCausalLM, context: int) -> tuple[int, float]:
     return empty.nbytes(), (filled.nbytes() - empty.nbytes()) / context
 
 
-def compare_stacks(models: dict[str, HybridForCausalLM], contexts: list[int], steps: int = 8) -> list[dict]:
-    """One row per stack: cache bytes per token and decode ms/token at each context."""
+def compare_stacks(models: dict[str, HybridForCausalLM], contexts: list[int], steps: int = 8,
+                   warmup: int = 2) -> list[dict]:
+    """One row per stack: cache bytes per token and the :class:`Timing` of a decode step at each context."""
     rows = []
     for name, model in tqdm(models.items(), desc="stacks", leave=False):
         fixed, per_token = cache_bytes(model, max(contexts))
         row = {"stack": name, "fixed_bytes": fixed, "bytes_per_token": per_token}
         for context in tqdm(contexts, desc=name, leave=False):
-            row[context] = decode_ms_per_token(model, context, steps)
+            row[context] = decode_timing(model, context, steps, warmup=warmup)
         rows.append(row)
     return rows
 
@@ -116,8 +134,9 @@ def ssd_loop(x, dt, A, B, C):
 
 
 @torch.no_grad()
-def scan_speedups(length: int = 2048, repeats: int = 3) -> list[dict]:
-    """Chunked reference scans vs loops over time at ``length`` (Jamba- and Mamba-2-like widths)."""
+def scan_speedups(length: int = 2048, repeats: int = 3, warmup: int = 1) -> list[dict]:
+    """Chunked reference scans vs loops over time at ``length`` (Jamba- and Mamba-2-like widths): their
+    :class:`Timing` and the ratios of their medians and of their minima."""
     g = torch.Generator().manual_seed(0)
     b, d, n = 1, 512, 16
     u, delta = torch.randn(b, d, length, generator=g), torch.rand(b, d, length, generator=g) * 0.1
@@ -134,6 +153,7 @@ def scan_speedups(length: int = 2048, repeats: int = 3) -> list[dict]:
         ("ssd_chunk_scan (Mamba-2)", lambda: ops.ssd_chunk_scan(x, dt, A2, B2, C2, chunk), lambda: ssd_loop(
             x, dt, A2, B2, C2)),
     ]:
-        fast, slow = median_ms(chunked, repeats), median_ms(loop, repeats)
-        rows.append({"op": name, "length": length, "chunked_ms": fast, "loop_ms": slow, "speedup": slow / fast})
+        fast, slow = time_calls(chunked, repeats, warmup), time_calls(loop, repeats, warmup)
+        rows.append({"op": name, "length": length, "chunked": fast, "loop": slow,
+                     "speedup": slow.median_ms / fast.median_ms, "speedup_min": slow.min_ms / fast.min_ms})
     return rows

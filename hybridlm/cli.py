@@ -1,13 +1,97 @@
-"""The ``hybridlm`` command: demo, info, bench, generate, convert."""
+"""The ``hybridlm`` command.
+
+Each subcommand is one function registered in :data:`COMMANDS` with :func:`command`; it imports what it needs
+when it runs, so ``hybridlm --help`` and argument errors answer without importing torch or transformers.
+To add one::
+
+    @command("name", "one line of help", option("--flag", type=int, default=3, help="what it sets"))
+    def run_name(args):
+        from .something import heavy  # imported here, not at the top of this module
+        ...
+"""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
-import torch
+from .presets import PRESETS  # names and settings only: no torch
+
+Option = tuple[tuple[str, ...], dict]
+
+DEFAULT_PRESET = "jamba-small"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A subcommand: ``run(args)``, its one-line help, and the ``(flags, settings)`` of its arguments as passed
+    to :meth:`argparse.ArgumentParser.add_argument`."""
+
+    run: Callable[[argparse.Namespace], None]
+    help: str
+    options: tuple[Option, ...]
+
+
+#: Every subcommand of ``hybridlm``, by name, in the order ``--help`` lists them.
+COMMANDS: dict[str, Command] = {}
+
+
+def option(*flags: str, **settings) -> Option:
+    """One argument of a subcommand, as for ``add_argument``. Every option needs ``help``; a default other than
+    None / False is appended to it, so for a default of None say in ``help`` what happens without the option."""
+    return flags, settings
+
+
+def command(name: str, help: str, *options: Option):
+    """Register the decorated function as ``hybridlm NAME``."""
+
+    def register(run: Callable[[argparse.Namespace], None]):
+        COMMANDS[name] = Command(run, help, options)
+        return run
+
+    return register
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends ``(default: X)`` to an option's help when it has a default worth stating."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
+            shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
+            text += f" (default: {shown})"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    summary = "\n".join(f"  {name:<10} {cmd.help}" for name, cmd in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="hybridlm", formatter_class=_HelpFormatter,
+        description="Hybrid Transformer-SSM language models: try, inspect, benchmark, run and convert them.",
+        epilog=f"commands:\n{summary}\n\n'hybridlm COMMAND --help' lists the options of one command.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in COMMANDS.items():
+        sub = commands.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter)
+        for flags, settings in cmd.options:
+            sub.add_argument(*flags, **settings)
+        sub.set_defaults(run=cmd.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, TypeError, OSError) as error:  # bad input: one line, no traceback
+        print(f"hybridlm {args.command}: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
+
+
+# --- helpers ---------------------------------------------------------------------------------------
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -21,29 +105,39 @@ def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def _load_config(args):
-    from .config import HybridConfig
-    from .presets import preset
-
-    if args.config:
-        with open(args.config) as file:
-            return HybridConfig(**json.load(file))
-    return preset(args.preset)
-
-
 def _build(config, seed: int = 0):
+    import torch
+
     from .model import HybridForCausalLM
 
     torch.manual_seed(seed)
     return HybridForCausalLM(config).eval()
 
 
+def _config_from(path: str):
+    """The HybridConfig of a ``config.json``, or of the one in a checkpoint directory (any supported format)."""
+    from .formats.base import read_config, to_hybrid_config
+
+    file = Path(path)
+    if file.is_dir():
+        file = file / "config.json"
+    elif not file.exists():
+        raise FileNotFoundError(f"--config {path}: no such file or directory")
+    return to_hybrid_config(read_config(file))
+
+
 # --- commands --------------------------------------------------------------------------------------
 
+@command(
+    "demo", "A Jamba-style stack against an all-attention stack of the same size: cache and decode speed.",
+    option("--context", type=int, default=4096, help="context length for the decode comparison"),
+    option("--steps", type=int, default=8, help="decode steps timed per stack"),
+    option("--warmup", type=int, default=2, help="untimed decode steps before timing"),
+)
+def run_demo(args) -> None:
+    import time
 
-def cmd_demo(args) -> None:
-    """A Jamba-style stack against an all-attention stack of the same size: cache and decode speed."""
-    from .bench import compare_stacks
+    from .bench import Timing, compare_stacks
     from .generation import IncrementalDecoder
     from .presets import preset
 
@@ -51,44 +145,67 @@ def cmd_demo(args) -> None:
     attention_config = preset("attention-small", expert_layer_period=2, expert_layer_offset=1, num_experts=4,
                               num_experts_per_tok=2)
     models = {"hybrid 1:7 (jamba-small)": _build(hybrid_config), "all-attention": _build(attention_config)}
-    params = {name: sum(p.numel() for p in m.parameters()) for name, m in models.items()}
     print(f"hybridlm demo: two {hybrid_config.num_hidden_layers}-layer stacks, hidden {hybrid_config.hidden_size}, "
           f"random weights")
-    for name, count in params.items():
-        print(f"  {name}: {count / 1e6:.2f} M parameters, layers {models[name].config.layer_types}")
-    rows = compare_stacks(models, [args.context], steps=args.steps)
-    print(f"\nPer sequence, decoding one token with {args.context} tokens of context (median of {args.steps}):")
+    for name, model in models.items():
+        count = sum(p.numel() for p in model.parameters())
+        print(f"  {name}: {count / 1e6:.2f} M parameters, layers {model.config.layer_types}")
+    rows = compare_stacks(models, [args.context], steps=args.steps, warmup=args.warmup)
+    print(f"\nPer sequence, decoding one token with {args.context} tokens of context "
+          f"({args.warmup} warm-up steps, then min / median of {args.steps}):")
     print(_table(rows, [("stack", "stack", ""), ("bytes_per_token", "cache B/token", ",.0f"),
                         ("fixed_bytes", "fixed cache B", ",d"), (args.context, "decode ms/token", ".2f")]))
     hybrid, attention = rows
+    fast, slow = hybrid[args.context], attention[args.context]
     print(f"\nThe hybrid keeps {attention['bytes_per_token'] / hybrid['bytes_per_token']:.1f}x fewer cache bytes per "
-          f"token and decodes {attention[args.context] / hybrid[args.context]:.2f}x as fast at this context.")
+          f"token and decodes {slow.median_ms / fast.median_ms:.2f}x as fast at this context "
+          f"({slow.min_ms / fast.min_ms:.2f}x by the fastest steps).")
     decoder = IncrementalDecoder(models["hybrid 1:7 (jamba-small)"], prefill_chunk_size=64)
     prompt = [[1, 2, 3, 4, 5, 6, 7, 8]]
-    start = time.perf_counter()
     print("\nGenerating 16 tokens (greedy) from prompt", prompt[0], "(random weights, so random tokens):")
+    seconds, start = [], time.perf_counter()
     for step in decoder.stream(prompt, max_new_tokens=16):
+        seconds.append(time.perf_counter() - start)
         print(step[0].item(), end=" ", flush=True)
-    print(f"\n({(time.perf_counter() - start) * 1000:.0f} ms)")
+        start = time.perf_counter()
+    print(f"\n(prefill and first token {1000 * seconds[0]:.0f} ms, then ms per token "
+          f"{Timing.of(seconds[1:]):.1f}, min / median)")
 
 
-def cmd_info(args) -> None:
-    """Parameters and cache bytes per token of a config file or preset, by layer kind."""
+@command(
+    "info", "Parameters and cache bytes per token of a saved config or a preset, by layer kind.",
+    option("--config", metavar="DIR_OR_FILE",
+           help="a config.json, or a checkpoint directory holding one (hybridlm's or any supported format); "
+                "default: the preset"),
+    option("--preset", choices=list(PRESETS), metavar="NAME",
+           help=f"a preset: {', '.join(PRESETS)}; default: {DEFAULT_PRESET}"),
+    option("--context", type=int, default=4096, help="context length at which cache bytes are counted"),
+    option("--backends", action="store_true", help="instead, list kernel backends and what each op uses"),
+)
+def run_info(args) -> None:
     if args.backends:
         from .ops import backends
 
         print(backends.report())
         return
-    from .bench import cache_bytes
+    if args.config and args.preset:
+        raise ValueError("give --config or --preset, not both")
+    if args.config:
+        config = _config_from(args.config)
+        print(f"config: {args.config}")
+    else:
+        from .presets import preset
 
-    config = _load_config(args)
+        name = args.preset or DEFAULT_PRESET
+        config = preset(name)
+        print(f"preset: {name}" + ("" if args.preset else " (the default; choose with --preset or --config)"))
+    from .bench import cache_bytes, fill_cache
+
     model = _build(config)
     print(f"layers: {config.num_hidden_layers}  hidden: {config.hidden_size}  "
           f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M")
     fixed, per_token = cache_bytes(model, args.context)
     print(f"cache per sequence ({model.dtype}): {fixed:,} B fixed + {per_token:,.0f} B per token of context")
-    from .bench import fill_cache
-
     cache = model.new_cache(1)
     fill_cache(cache, args.context)
     layers, params = _mixers_by_kind(model)
@@ -119,8 +236,16 @@ def _mixers_by_kind(model) -> tuple[dict[str, int], dict[str, int]]:
     return layers, params
 
 
-def cmd_bench(args) -> None:
-    """Decode ms/token and cache bytes/token for attention, 1:7 hybrid and all-Mamba-2 stacks; scan speedups."""
+@command(
+    "bench", "Decode ms/token and cache bytes/token of attention, 1:7 hybrid and Mamba-2 stacks; scan speedups.",
+    option("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="context lengths to decode at"),
+    option("--steps", type=int, default=8, help="timed decode steps per stack and context"),
+    option("--warmup", type=int, default=2, help="untimed runs before timing"),
+    option("--scan-length", type=int, default=2048, help="sequence length of the scan comparison"),
+    option("--scan-repeats", type=int, default=5, help="timed runs per scan"),
+    option("--skip-scans", action="store_true", help="leave out the scan comparison"),
+)
+def run_bench(args) -> None:
     from .bench import compare_stacks, scan_speedups
     from .presets import preset
 
@@ -128,24 +253,38 @@ def cmd_bench(args) -> None:
     models = {label: _build(preset(name, mlp_types=["dense"] * 8, expert_layer_period=None))
               for label, name in names.items()}
     contexts = args.contexts
-    rows = compare_stacks(models, contexts, steps=args.steps)
-    print(f"decode ms/token (batch 1, median of {args.steps} steps) and cache per sequence:")
+    rows = compare_stacks(models, contexts, steps=args.steps, warmup=args.warmup)
+    print(f"decode ms/token, min / median of {args.steps} steps after {args.warmup} warm-up (batch 1), "
+          "and cache per sequence:")
     columns = [("stack", "stack", ""), ("bytes_per_token", "cache B/token", ",.0f"),
                ("fixed_bytes", "fixed B", ",d")]
     columns += [(c, f"ms @ {c}", ".2f") for c in contexts]
     for row in rows:
-        row["growth"] = row[contexts[-1]] / row[contexts[0]]
-    columns.append(("growth", f"{contexts[-1]}/{contexts[0]}", ".2f"))
+        row["growth"] = row[contexts[-1]].median_ms / row[contexts[0]].median_ms
+    columns.append(("growth", f"median {contexts[-1]}/{contexts[0]}", ".2f"))
     print(_table(rows, columns))
     if not args.skip_scans:
-        print(f"\nreference scans, chunked vs one step per token (length {args.scan_length}):")
-        print(_table(scan_speedups(args.scan_length),
-                     [("op", "op", ""), ("chunked_ms", "chunked ms", ".1f"), ("loop_ms", "loop ms", ".1f"),
-                      ("speedup", "speedup", ".1f")]))
+        print(f"\nreference scans, chunked vs one step per token (length {args.scan_length}; ms min / median of "
+              f"{args.scan_repeats} after {args.warmup} warm-up):")
+        print(_table(scan_speedups(args.scan_length, args.scan_repeats, args.warmup),
+                     [("op", "op", ""), ("chunked", "chunked ms", ".1f"), ("loop", "loop ms", ".1f"),
+                      ("speedup", "speedup (median)", ".1f"), ("speedup_min", "speedup (min)", ".1f")]))
 
 
-def cmd_generate(args) -> None:
-    """Generate from a checkpoint directory (any supported format); text in and out with its tokenizer."""
+@command(
+    "generate", "Generate from a checkpoint directory (any supported format); text in and out with its tokenizer.",
+    option("--model", required=True, metavar="DIR_OR_HUB_ID",
+           help="checkpoint directory, or a hub id already in the local Hugging Face cache"),
+    option("--prompt", help="text prompt (needs tokenizer files in the checkpoint); default: give --ids instead"),
+    option("--ids", help="comma-separated token ids, instead of --prompt; default: give --prompt instead"),
+    option("--max-new-tokens", type=int, default=64, help="tokens to generate at most"),
+    option("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy"),
+    option("--top-k", type=int, help="sample from the k most likely tokens only; default: no top-k filtering"),
+    option("--top-p", type=float, help="nucleus sampling threshold in (0, 1]; default: no top-p filtering"),
+    option("--seed", type=int, help="random seed for sampling; default: not seeded"),
+    option("--prefill-chunk", type=int, default=512, help="prompt tokens fed per forward during prefill"),
+)
+def run_generate(args) -> None:
     from .formats import load
     from .generation import IncrementalDecoder
 
@@ -185,66 +324,18 @@ def cmd_generate(args) -> None:
     print()
 
 
-def cmd_convert(args) -> None:
-    """Read SRC (any supported format) and write DST as ``--to`` (hybridlm or a foreign model_type)."""
+@command(
+    "convert", "Read SRC (any supported format) and write DST in the format given by --to.",
+    option("src", metavar="SRC", help="checkpoint directory (or hub id in the local cache) to read"),
+    option("dst", metavar="DST", help="directory to write"),
+    option("--to", required=True, help="hybridlm, or a model_type such as jamba, mamba2, bamba"),
+)
+def run_convert(args) -> None:
     from .formats import load
 
     model = load(args.src)
     model.save_pretrained(args.dst, format=args.to)
     print(f"wrote {args.dst} ({args.to})")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hybridlm", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    demo = commands.add_parser("demo", help=cmd_demo.__doc__)
-    demo.add_argument("--context", type=int, default=4096, help="context length for the decode comparison")
-    demo.add_argument("--steps", type=int, default=8, help="decode steps timed per stack")
-    demo.set_defaults(func=cmd_demo)
-
-    info = commands.add_parser("info", help=cmd_info.__doc__)
-    source = info.add_mutually_exclusive_group()
-    source.add_argument("--config", help="a HybridConfig JSON file")
-    source.add_argument("--preset", default="jamba-small", help="a preset name (see hybridlm.presets)")
-    info.add_argument("--context", type=int, default=4096)
-    info.add_argument("--backends", action="store_true", help="list kernel backends and what each op uses")
-    info.set_defaults(func=cmd_info)
-
-    bench = commands.add_parser("bench", help=cmd_bench.__doc__)
-    bench.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
-    bench.add_argument("--steps", type=int, default=8)
-    bench.add_argument("--scan-length", type=int, default=2048)
-    bench.add_argument("--skip-scans", action="store_true")
-    bench.set_defaults(func=cmd_bench)
-
-    generate = commands.add_parser("generate", help=cmd_generate.__doc__)
-    generate.add_argument("--model", required=True, help="checkpoint directory (or hub id in the local cache)")
-    generate.add_argument("--prompt", help="text prompt (needs tokenizer files in the checkpoint)")
-    generate.add_argument("--ids", help="comma-separated token ids, instead of --prompt")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    generate.add_argument("--top-k", type=int)
-    generate.add_argument("--top-p", type=float)
-    generate.add_argument("--seed", type=int)
-    generate.add_argument("--prefill-chunk", type=int, default=512)
-    generate.set_defaults(func=cmd_generate)
-
-    convert = commands.add_parser("convert", help=cmd_convert.__doc__)
-    convert.add_argument("src")
-    convert.add_argument("dst")
-    convert.add_argument("--to", required=True, help="hybridlm, or a model_type such as jamba, mamba2, bamba")
-    convert.set_defaults(func=cmd_convert)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except (ValueError, FileNotFoundError, TypeError) as error:
-        print(f"hybridlm {args.command}: {error}", file=sys.stderr)
-        raise SystemExit(2) from error
 
 
 if __name__ == "__main__":

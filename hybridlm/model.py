@@ -14,6 +14,7 @@ from transformers.utils import ModelOutput
 
 from .cache import HybridCache, LayerState, StateGroup
 from .config import HybridConfig, mixer_parts
+from .hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
 from .layers.mlp import MLP, MoE
 from .layers.norms import RMSNorm
 from .mixers import Mixer, build_mixer
@@ -93,20 +94,16 @@ class HybridPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["HybridBlock"]
-    _is_stateful = True  # SSM states cannot be rolled back: no assisted decoding
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' loader, except that missing or unexpected weights are an error naming them (transformers
-        would initialise missing ones randomly and only log a report)."""
-        wants_info = kwargs.pop("output_loading_info", False)
-        model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True,
-                                              **kwargs)
-        problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(str, info[kind])))}"
-                    for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(kind)]
-        if problems:
-            raise ValueError(f"{pretrained_model_name_or_path} does not match {cls.__name__}: " + " | ".join(problems))
-        return (model, info) if wants_info else model
+        would initialise missing ones randomly and only log a report); :class:`HybridForCausalLM` also reads any
+        format in :mod:`hybridlm.formats` (Jamba, Mamba-2, Bamba, ...). See
+        :func:`hybridlm.formats.load_pretrained`."""
+        from .formats import load_pretrained
+
+        return load_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
 
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -190,8 +187,7 @@ class HybridModel(HybridPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
     ) -> HybridModelOutput:
-        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
-            raise ValueError("HybridModel: output_attentions / output_hidden_states are not supported")
+        forward_kwargs(type(self).__name__, kwargs)
         hidden = self._embed(input_ids, inputs_embeds)
         batch, time = hidden.shape[:2]
         if cache is None and use_cache:
@@ -285,7 +281,7 @@ class HybridModel(HybridPreTrainedModel):
         return positions
 
 
-class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
+class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixin):
     """:class:`HybridModel` plus the LM head; works with ``generate()`` (greedy, sampling, beam search)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
@@ -299,19 +295,6 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """hybridlm's own checkpoints, or any format in :mod:`hybridlm.formats` (Jamba, Mamba-2, Bamba, ...)."""
-        from . import formats
-
-        path = formats.resolve_directory(pretrained_model_name_or_path)  # a hub id is resolved here, once
-        # read_config names a missing config.json (transformers would build a default, randomly initialised model)
-        if formats.read_config(path).get("model_type") != "hybridlm":
-            if args or set(kwargs) - {"dtype", "device_map"}:
-                raise TypeError(f"foreign checkpoints take only dtype= and device_map=, got {sorted(kwargs)}")
-            return formats.load(path, dtype=kwargs.get("dtype"), device=kwargs.get("device_map"))
-        return super().from_pretrained(path, *args, **kwargs)
-
     def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):
         """``format="hybridlm"`` (default) writes hybridlm's own checkpoint; another ``model_type`` (e.g.
         ``"jamba"``) writes a checkpoint that transformers loads as that architecture."""
@@ -320,10 +303,6 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         from . import formats
 
         return formats.export(self, save_directory, format)
-
-    @classmethod
-    def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # generate() must not build a transformers DynamicCache: forward makes a HybridCache
 
     def get_output_embeddings(self):
         return self.lm_head
@@ -347,7 +326,7 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> HybridCausalLMOutput:
         """``use_cache=True`` starts a new cache (returned as ``.cache``); ``cache=...`` continues one."""
-        kwargs.pop("return_dict", None)
+        kwargs = forward_kwargs(type(self).__name__, kwargs)
         out = self.model(input_ids, attention_mask, position_ids, cache, use_cache, inputs_embeds, **kwargs)
         hidden = out.last_hidden_state
         if logits_to_keep:
@@ -362,3 +341,6 @@ class HybridForCausalLM(HybridPreTrainedModel, GenerationMixin):
             if out.aux_loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * out.aux_loss
         return HybridCausalLMOutput(loss=loss, logits=logits, cache=out.cache, aux_loss=out.aux_loss)
+
+
+register_auto_classes(HybridConfig, HybridModel, HybridForCausalLM)

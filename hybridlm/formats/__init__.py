@@ -1,6 +1,7 @@
-"""Foreign checkpoint formats: one small module per architecture, registered here by ``model_type``.
+"""Checkpoints: hybridlm's own, and foreign formats (one small module per architecture, each registering itself
+in :data:`~hybridlm.formats.base.FORMATS` by ``model_type``).
 
-:func:`load` reads any supported checkpoint into a :class:`~hybridlm.HybridForCausalLM`; :func:`export`
+:func:`load_pretrained` is the one loader: :func:`load` and ``from_pretrained`` both call it. :func:`export`
 writes a model back in a format transformers loads.
 """
 
@@ -12,48 +13,80 @@ from pathlib import Path
 
 import torch
 
+# Each format module registers its format on import.
+from . import bamba, falcon_h1, granitemoehybrid, jamba, mamba, mamba2, mamba_ssm, nemotron_h, zamba2  # noqa: F401
 from .base import (
+    FORMATS,
     CheckpointFormat,
     check_expressible,
     check_state,
+    detect,
+    is_own,
     read_config,
     read_weights,
+    register,
     resolve_directory,
+    safetensors_files,
+    supported,
     undeclared_options,
 )
-
-FORMATS: dict[str, CheckpointFormat] = {}
-
-
-def register(fmt: CheckpointFormat) -> CheckpointFormat:
-    FORMATS[fmt.model_type] = fmt
-    return fmt
-
-
-def supported() -> list[str]:
-    return sorted(FORMATS)
-
-
-def detect(foreign_config: dict) -> CheckpointFormat:
-    """The format of a checkpoint from its config: by ``model_type``, else by a format's own test."""
-    model_type = foreign_config.get("model_type")
-    if model_type in FORMATS:
-        return FORMATS[model_type]
-    for fmt in FORMATS.values():
-        if fmt.matches is not None and fmt.matches(foreign_config):
-            return fmt
-    raise ValueError(f"unsupported checkpoint model_type={model_type!r}; hybridlm reads "
-                     f"{', '.join(['hybridlm'] + supported())}")
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
     """Load a checkpoint directory (or hub id) of any supported architecture, hybridlm's own included."""
     from ..model import HybridForCausalLM
 
-    directory = resolve_directory(path)
-    foreign_config = read_config(directory)
-    if foreign_config.get("model_type") == "hybridlm":
-        return HybridForCausalLM.from_pretrained(directory, dtype=dtype, device_map=device)
+    return load_pretrained(HybridForCausalLM, path, dtype=dtype, device_map=device)
+
+
+def load_pretrained(cls, path: str | os.PathLike, *args, **kwargs):
+    """The one checkpoint loader, behind :func:`load` and ``from_pretrained`` of hybridlm's model classes: resolves
+    ``path`` once and reads its ``config.json`` once. hybridlm's own checkpoints load through transformers'
+    ``from_pretrained`` (every loading argument works), strictly: a missing, unexpected or mis-shaped weight is
+    an error naming it. A foreign checkpoint loads as a :class:`~hybridlm.HybridForCausalLM` and takes only
+    ``dtype`` and ``device_map``."""
+    directory = resolve_directory(path)  # a hub id is resolved here, once
+    # read_config names a missing config.json (transformers would build a default, randomly initialised model)
+    config_dict = read_config(directory)
+    if is_own(config_dict):
+        return _load_own(cls, directory, config_dict, args, kwargs)
+    from ..model import HybridForCausalLM
+
+    if cls is not HybridForCausalLM:
+        raise TypeError(f"{cls.__name__}.from_pretrained reads hybridlm checkpoints only; {directory} is a "
+                        f"{config_dict.get('model_type')!r} checkpoint: load it with hybridlm.load()")
+    if args or set(kwargs) - {"dtype", "device_map"}:
+        raise TypeError(f"foreign checkpoints take only dtype= and device_map=, got {sorted(kwargs)}")
+    return _load_foreign(directory, config_dict, kwargs.get("dtype"), kwargs.get("device_map"))
+
+
+def _load_own(cls, directory: Path, config_dict: dict, args: tuple, kwargs: dict):
+    """transformers' ``from_pretrained`` with the config already read (keyword arguments that are HybridConfig
+    fields override it, as in transformers), then the check it does not make."""
+    from transformers import PreTrainedModel
+
+    from ..config import HybridConfig
+
+    safetensors_files(directory)  # a truncated file is an error naming it (transformers' does not say which)
+    kwargs = dict(kwargs)
+    if kwargs.get("config") is None:
+        fields = {name for name in HybridConfig.__dataclass_fields__ if not name.startswith("_")}
+        overrides = {name: kwargs.pop(name) for name in list(kwargs) if name in fields and name != "dtype"}
+        kwargs["config"] = HybridConfig.from_dict({**config_dict, **overrides})
+    wants_info = kwargs.pop("output_loading_info", False)
+    model, info = PreTrainedModel.from_pretrained.__func__(cls, directory, *args, output_loading_info=True, **kwargs)
+    problems = [f"{kind.replace('_', ' ')}: {', '.join(sorted(map(str, info[kind])))}"
+                for kind in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(kind)]
+    if problems:
+        raise ValueError(f"{directory} does not match {cls.__name__}: " + " | ".join(problems))
+    return (model, info) if wants_info else model
+
+
+def _load_foreign(directory: Path, foreign_config: dict, dtype, device):
+    """A foreign checkpoint as a HybridForCausalLM: its config and weights mapped by its format, every weight
+    checked, built on the meta device and filled in place."""
+    from ..model import HybridForCausalLM
+
     fmt = detect(foreign_config)
     config = fmt.to_config(foreign_config)
     state = fmt.import_weights(read_weights(directory), config, foreign_config)
@@ -92,8 +125,4 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
     (out / "config.json").write_text(json.dumps(foreign_config, indent=2, sort_keys=True))
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
 
-
-# Format modules register themselves on import; add new ones here.
-from . import bamba, falcon_h1, granitemoehybrid, jamba, mamba, mamba2, mamba_ssm, nemotron_h, zamba2  # noqa: E402, F401
-
-__all__ = ["FORMATS", "CheckpointFormat", "detect", "export", "load", "register", "supported"]
+__all__ = ["FORMATS", "CheckpointFormat", "detect", "export", "load", "load_pretrained", "register", "supported"]

@@ -4,7 +4,6 @@ by a SwiGLU MLP, in Jamba's ``model.layers`` layout. Read and written."""
 from __future__ import annotations
 
 from ..config import HybridConfig
-from . import register
 from .base import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
@@ -14,6 +13,7 @@ from .base import (
     check_expressible,
     differences,
     positions,
+    register,
     rename_state,
     require_settings,
     rope_settings,

@@ -43,6 +43,47 @@ class CheckpointFormat:
     options: frozenset[str] = frozenset()
 
 
+#: Every supported foreign format, by ``model_type``; a format module adds itself with :func:`register`.
+FORMATS: dict[str, CheckpointFormat] = {}
+
+
+def register(fmt: CheckpointFormat) -> CheckpointFormat:
+    FORMATS[fmt.model_type] = fmt
+    return fmt
+
+
+def supported() -> list[str]:
+    return sorted(FORMATS)
+
+
+def detect(foreign_config: dict) -> CheckpointFormat:
+    """The format of a checkpoint from its config: by ``model_type``, else by a format's own test."""
+    model_type = foreign_config.get("model_type")
+    if model_type in FORMATS:
+        return FORMATS[model_type]
+    for fmt in FORMATS.values():
+        if fmt.matches is not None and fmt.matches(foreign_config):
+            return fmt
+    raise ValueError(f"unsupported checkpoint model_type={model_type!r}; hybridlm reads "
+                     f"{', '.join(['hybridlm'] + supported())}")
+
+
+def is_own(config_dict: dict) -> bool:
+    """Whether a ``config.json`` is hybridlm's: ``model_type="hybridlm"``, or no model_type and no foreign
+    format recognises it (a config written by hand)."""
+    model_type = config_dict.get("model_type")
+    if model_type is None:
+        return not any(fmt.matches is not None and fmt.matches(config_dict) for fmt in FORMATS.values())
+    return model_type == HybridConfig.model_type
+
+
+def to_hybrid_config(config_dict: dict) -> HybridConfig:
+    """The :class:`HybridConfig` a checkpoint's ``config.json`` describes, hybridlm's own or a foreign one."""
+    if is_own(config_dict):
+        return HybridConfig.from_dict(config_dict)
+    return detect(config_dict).to_config(config_dict)
+
+
 #: Options that express other architectures' quirks, with the value a format that does not declare them in
 #: ``CheckpointFormat.options`` needs: a checkpoint written without them would compute something else.
 EXPORT_OPTIONS = {
@@ -104,14 +145,26 @@ def _decode_floats(obj):
 _CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.jinja"]
 
 
+def looks_local(path: str | os.PathLike) -> bool:
+    """Whether ``path`` can only mean a local directory: absolute, starting with ``.`` or ``~``, or inside a
+    directory that exists here (``checkpoints/run1`` when ``checkpoints/`` exists). A hub id is
+    ``name`` or ``owner/name``."""
+    text = os.fspath(path)
+    local = Path(text)
+    return (local.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or "\\" in text
+            or (len(local.parts) > 1 and local.parent.is_dir()))
+
+
 def resolve_directory(path: str | os.PathLike) -> Path:
     """A local directory as is; otherwise a hub id, from huggingface_hub's cache when it is there (no network
-    call), else downloaded."""
-    local = Path(path)
+    call), else downloaded. A path that :func:`looks_local` but does not exist is an error saying so."""
+    local = Path(path).expanduser()
     if local.is_dir():
         return local
     if local.exists():
         raise NotADirectoryError(f"{path} is a file; a checkpoint is a directory holding config.json and weights")
+    if looks_local(path):
+        raise FileNotFoundError(f"directory {path} does not exist")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -120,22 +173,46 @@ def resolve_directory(path: str | os.PathLike) -> Path:
     except LocalEntryNotFoundError:
         pass  # not in the cache: ask the hub
     except HFValidationError as error:
-        raise FileNotFoundError(f"{path} is neither a local directory nor a valid hub id: {error}") from error
+        raise FileNotFoundError(f"directory {path} does not exist (nor is it a valid hub id: {error})") from error
     try:
         return Path(snapshot_download(str(path), allow_patterns=_CHECKPOINT_FILES))
     except Exception as error:  # network errors, unknown repos, offline mode
-        raise FileNotFoundError(f"{path} is neither a local directory nor a hub id available here: {error}") \
-            from error
+        raise FileNotFoundError(f"directory {path} does not exist, and the hub id {path} is not available here: "
+                                f"{error}") from error
 
 
-def read_config(directory: Path) -> dict:
-    file = directory / "config.json"
+def read_config(path: Path) -> dict:
+    """The ``config.json`` of a checkpoint directory (or that file itself), with infinities decoded."""
+    file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"no config.json in {directory}: not a Hugging Face-format checkpoint")
+        raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face-format checkpoint")
     try:
         return _decode_floats(json.loads(file.read_text()))
     except json.JSONDecodeError as error:
         raise ValueError(f"{file} is not valid JSON: {error}") from error
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint (one, or the shards its index lists), each checked to exist and to
+    hold as many bytes as its header declares (reads the headers only); [] when it has none."""
+    from safetensors import SafetensorError, safe_open
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    elif (directory / "model.safetensors").is_file():
+        files = [directory / "model.safetensors"]
+    else:
+        return []
+    for file in files:
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} is listed in the index but missing")
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError, ValueError) as error:
+            raise ValueError(f"cannot read {file} (truncated or not safetensors?): {error}") from error
+    return files
 
 
 def read_weights(directory: Path) -> StateDict:
@@ -144,24 +221,17 @@ def read_weights(directory: Path) -> StateDict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (directory / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif (directory / "pytorch_model.bin").is_file():
+    files = safetensors_files(directory)
+    if not files and (directory / "pytorch_model.bin").is_file():
         state = torch.load(directory / "pytorch_model.bin", map_location="cpu", weights_only=True)
         if not isinstance(state, dict):
             raise ValueError(f"{directory / 'pytorch_model.bin'} does not hold a state dict")
         return state
-    else:
+    if not files:
         raise FileNotFoundError(f"no weights in {directory}: expected model.safetensors, "
                                 "model.safetensors.index.json or pytorch_model.bin")
     state: StateDict = {}
-    for name in files:
-        file = directory / name
-        if not file.is_file():
-            raise FileNotFoundError(f"{file} is listed in the index but missing")
+    for file in files:
         try:
             state.update(load_file(file))
         except (SafetensorError, OSError, ValueError) as error:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import torch
 
 from ..config import HybridConfig
-from . import register
 from .bamba import DECODER_FIELDS, MAMBA2_FIELDS
 from .base import (
     CheckpointFormat,
     FieldMap,
     RenameRules,
     StateDict,
+    register,
     rename_state,
     require_settings,
     rope_settings,

@@ -14,7 +14,6 @@ shared MLP (``shared_mlp.input_linear [2I, H]``); transformers' in-memory names 
 from __future__ import annotations
 
 from ..config import HybridConfig
-from . import register
 from .bamba import DECODER_FIELDS, MAMBA2_FIELDS
 from .base import (
     CheckpointFormat,
@@ -22,6 +21,7 @@ from .base import (
     RenameRules,
     StateDict,
     layer_rules,
+    register,
     rename_state,
     require_settings,
     rope_settings,

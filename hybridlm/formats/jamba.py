@@ -8,7 +8,6 @@ Read and written. The decoder layout here (``model.layers.{i}.mamba`` / ``self_a
 from __future__ import annotations
 
 from ..config import HybridConfig
-from . import register
 from .base import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
@@ -20,6 +19,7 @@ from .base import (
     differences,
     layer_rules,
     positions,
+    register,
     rename_state,
     require_settings,
     same_names,

@@ -8,13 +8,13 @@ The ``backbone`` layout here (``backbone.embeddings``, ``backbone.layers.{i}.nor
 from __future__ import annotations
 
 from ..config import HybridConfig
-from . import register
 from .base import (
     COMMON_FIELDS,
     CheckpointFormat,
     FieldMap,
     RenameRules,
     StateDict,
+    register,
     rename_state,
     require_settings,
     same_names,

@@ -4,13 +4,13 @@ written."""
 from __future__ import annotations
 
 from ..config import HybridConfig
-from . import register
 from .base import (
     COMMON_FIELDS,
     CheckpointFormat,
     FieldMap,
     StateDict,
     check_expressible,
+    register,
     rename_state,
     require_settings,
     same_names,

@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..config import HybridConfig
-from . import register
-from .base import CheckpointFormat, FieldMap, RenameRules, StateDict, rename_state, require_settings
+from .base import CheckpointFormat, FieldMap, RenameRules, StateDict, register, rename_state, require_settings
 
 # MambaConfig's defaults, and those of the mixer classes ssm_cfg and attn_cfg configure.
 MODEL_DEFAULTS = {"d_intermediate": 0, "ssm_cfg": {}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,

@@ -16,7 +16,6 @@ are ignored, as transformers ignores them.
 from __future__ import annotations
 
 from ..config import HybridConfig
-from . import register
 from .base import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
@@ -26,6 +25,7 @@ from .base import (
     StateDict,
     check_expressible,
     differences,
+    register,
     rename_state,
     require_settings,
     same_names,

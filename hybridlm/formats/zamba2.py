@@ -21,7 +21,6 @@ import re
 import torch
 
 from ..config import HybridConfig
-from . import register
 from .base import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
@@ -29,6 +28,7 @@ from .base import (
     FieldMap,
     RenameRules,
     StateDict,
+    register,
     rename_state,
     require_settings,
     rope_settings,
