@@ -18,6 +18,8 @@ from .hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
 from .layers.mlp import MLP, MoE
 from .layers.norms import RMSNorm
 from .mixers import Mixer, build_mixer
+from .mixers.segments import mix
+from .packing import packed_documents
 from .shared_blocks import SharedBlocks
 
 
@@ -75,10 +77,11 @@ class HybridBlock(GradientCheckpointingLayer):
     def _residual(self, hidden, out):
         return hidden + (out if self.residual_multiplier == 1.0 else out * self.residual_multiplier)
 
-    def forward(self, hidden, state=None, mask=None, positions=None, injected=None):
+    def forward(self, hidden, state=None, mask=None, positions=None, injected=None, segments=None):
         if self.mixer is not None:
             mixer_input = hidden if injected is None else hidden + injected
-            out = self.mixer(self.input_layernorm(mixer_input), state, mask=mask, positions=positions)
+            out = mix(self.mixer, self.input_layernorm(mixer_input), state, mask=mask, positions=positions,
+                      segments=segments)
             hidden = self._residual(hidden, out)
         aux = None
         if self.mlp_type == "dense":
@@ -197,6 +200,9 @@ class HybridModel(HybridPreTrainedModel):
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 raise ValueError("HybridModel: a cache cannot be used while training with gradient checkpointing")
         mask = self._current_mask(attention_mask, cache, batch, time)
+        segments = packed_documents(kwargs, position_ids, mask, cache, batch, time)  # None: one document per row
+        if segments is not None and position_ids is None:
+            position_ids = segments.positions()
         positions = self._positions(position_ids, mask, cache, batch, time, hidden.device)
 
         aux_losses, embeddings = [], hidden
@@ -208,7 +214,7 @@ class HybridModel(HybridPreTrainedModel):
                 k = sites[i]
                 site_state = cache.states[len(self.layers) + k] if cache is not None else None
                 injected = self.shared(k, hidden, embeddings, site_state, mask, positions)
-            hidden, aux = block(hidden, state, mask, positions, injected)
+            hidden, aux = block(hidden, state, mask, positions, injected, segments)
             if aux is not None:
                 aux_losses.append(aux)
         if cache is not None:

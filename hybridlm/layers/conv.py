@@ -22,12 +22,14 @@ class ShortConv(nn.Conv1d):
     def init_window(self, batch_size: int, device=None, dtype=None) -> torch.Tensor:
         return torch.zeros(batch_size, self.in_channels, self.kernel_size[0] - 1, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, window: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, window: torch.Tensor | None = None, **packed) -> torch.Tensor:
+        """``packed``: ``cu_seqlens`` or ``seq_idx`` of documents packed along time (see
+        :mod:`hybridlm.ops.packing`), each convolved from a zero window; only without ``window``."""
         weight = self.weight.squeeze(1)
         if window is not None and x.shape[-1] == 1:
             return ops.causal_conv1d_update(x[..., 0], window, weight, self.bias,
                                             activation=self.activation).unsqueeze(-1)
-        y, final = ops.causal_conv1d(x, weight, self.bias, initial_state=window, activation=self.activation)
+        y, final = ops.causal_conv1d(x, weight, self.bias, initial_state=window, activation=self.activation, **packed)
         if window is not None:
             window.copy_(final)
         return y

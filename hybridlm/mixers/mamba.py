@@ -18,6 +18,7 @@ from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import RMSNorm
 from .base import Mixer, register, zero_padding
+from .segments import check_stateless
 
 
 def inverse_softplus_dt(size: int, dt_min: float, dt_max: float, floor: float) -> torch.Tensor:
@@ -63,10 +64,14 @@ class Mamba(Mixer):
             ssm=torch.zeros(batch_size, self.d_inner, self.d_state, device=device, dtype=torch.float32),
         )
 
-    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None):
+    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None, segments=None):
+        packed = {}
+        if segments is not None:  # packed documents: one row, conv window and state restarting at each
+            check_stateless("mamba", state, mask)
+            x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         u, z = self.in_proj(x).chunk(2, dim=-1)
-        u = self.conv1d(zero_padding(u, mask).transpose(1, 2), state.conv if state is not None else None)
+        u = self.conv1d(zero_padding(u, mask).transpose(1, 2), state.conv if state is not None else None, **packed)
         dt, B, C = self.x_proj(u.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if hasattr(self, "dt_layernorm"):
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
@@ -80,8 +85,9 @@ class Mamba(Mixer):
         else:
             y, final = ops.selective_scan(
                 u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D, z=z,
-                initial_state=state.ssm if state is not None else None,
+                initial_state=state.ssm if state is not None else None, **packed,
             )
             if state is not None:
                 state.ssm.copy_(final)
-        return self.out_proj(y.transpose(1, 2))
+        out = self.out_proj(y.transpose(1, 2))  # [batch, time, hidden]
+        return out if segments is None else segments.rows(out)

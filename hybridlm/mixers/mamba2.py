@@ -17,6 +17,7 @@ from ..layers.conv import ShortConv
 from ..layers.norms import GatedRMSNorm
 from .base import Mixer, register, zero_padding
 from .mamba import inverse_softplus_dt
+from .segments import check_stateless
 
 
 @register("mamba2")
@@ -54,10 +55,15 @@ class Mamba2(Mixer):
                             dtype=torch.float32),
         )
 
-    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None):
+    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None, segments=None):
+        packed = {}
+        if segments is not None:  # packed documents: one row, conv window and state restarting at each
+            check_stateless("mamba2", state, mask)
+            x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        xBC = self.conv1d(zero_padding(xBC, mask).transpose(1, 2), state.conv if state is not None else None)
+        xBC = self.conv1d(zero_padding(xBC, mask).transpose(1, 2), state.conv if state is not None else None,
+                          **packed)
         group_width = self.n_groups * self.d_state
         xs, B, C = xBC.transpose(1, 2).split([self.d_inner, group_width, group_width], dim=-1)
         dt = F.softplus(dt + self.dt_bias)
@@ -78,10 +84,11 @@ class Mamba2(Mixer):
         else:
             y, final = ops.ssd_chunk_scan(
                 xs, dt, A, B, C, self.chunk_size, D=self.D,
-                initial_state=state.ssm if state is not None else None,
+                initial_state=state.ssm if state is not None else None, **packed,
             )
             if state is not None:
                 state.ssm.copy_(final)
         y = y.reshape(batch, time, self.d_inner)
         y = y * F.silu(z) if self.norm is None else self.norm(y, z)
-        return self.out_proj(y)
+        out = self.out_proj(y)  # [batch, time, hidden]
+        return out if segments is None else segments.rows(out)

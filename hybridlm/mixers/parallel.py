@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..cache import StateGroup
 from .base import MIXERS, Mixer
+from .segments import mix
 
 
 class ParallelMixer(Mixer):
@@ -28,9 +29,9 @@ class ParallelMixer(Mixer):
         return StateGroup({kind: branch.init_state(batch_size, max_length, device, dtype)
                            for kind, branch in self.branches()})
 
-    def forward(self, x, state: StateGroup | None = None, *, mask=None, positions=None):
-        outputs = [branch(x, state.parts[kind] if state is not None else None, mask=mask, positions=positions)
-                   for kind, branch in self.branches()]
+    def forward(self, x, state: StateGroup | None = None, *, mask=None, positions=None, segments=None):
+        outputs = [mix(branch, x, state.parts[kind] if state is not None else None, mask=mask, positions=positions,
+                       segments=segments) for kind, branch in self.branches()]
         return sum(outputs[1:], outputs[0])
 
 
