@@ -12,47 +12,56 @@ import argparse
 import json
 from pathlib import Path
 
-from .loop import LAYOUTS, PRECISIONS, TrainConfig
+from .config import LAYOUTS, PRECISIONS, TrainConfig
+
+_DEFAULTS = TrainConfig()
+
+
+def _option(*flags: str, **settings) -> tuple[tuple[str, ...], dict]:
+    return flags, settings
+
+
+#: The options of ``hybridlm train`` and ``recipes/pretrain.py``, as ``(flags, add_argument settings)``.
+OPTIONS = [
+    _option("--model", default="hybrid-tiny",
+            help="a preset name, a HybridConfig JSON file, or a checkpoint directory in any format hybridlm loads"),
+    _option("--data", nargs="+", default=None,
+            help="training text: files, directories or globs (without it: the Python standard library's "
+                 "sources, with hybridlm.training.HELD_OUT_STDLIB held out)"),
+    _option("--eval-data", nargs="+", default=None,
+            help="held-out text (without it: the standard library's held-out files, or every 50th --data file)"),
+    _option("--tokenizer", default=None,
+            help="a tokenizer directory to reuse (without it: train a byte-level BPE on the training text)"),
+    _option("--vocab-size", type=int, default=4096, help="vocabulary of a newly trained BPE"),
+    _option("--seq-len", type=int, default=512, help="tokens per training row"),
+    _option("--batch-size", type=int, default=_DEFAULTS.batch_size,
+            help="global batch: rows per optimizer step, over all ranks and accumulation steps"),
+    _option("--grad-accum", type=int, default=_DEFAULTS.grad_accum, help="micro-batches per optimizer step"),
+    _option("--steps", type=int, default=_DEFAULTS.steps, help="optimizer steps"),
+    _option("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate"),
+    _option("--warmup", type=int, default=_DEFAULTS.warmup, help="linear warmup steps"),
+    _option("--weight-decay", type=float, default=_DEFAULTS.weight_decay, help="AdamW weight decay"),
+    _option("--precision", choices=PRECISIONS, default=_DEFAULTS.precision, help="fp32, or bf16 autocast"),
+    _option("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)"),
+    _option("--layout", choices=LAYOUTS, default=_DEFAULTS.layout,
+            help="documents: packed, positions restart per document; stream: GPT-style rows"),
+    _option("--eval-every", type=int, default=_DEFAULTS.eval_every, help="steps between evaluations"),
+    _option("--eval-rows", type=int, default=_DEFAULTS.eval_rows,
+            help="held-out rows per periodic evaluation; the final one uses all"),
+    _option("--save-every", type=int, default=_DEFAULTS.save_every, help="steps between checkpoints"),
+    _option("--log-every", type=int, default=_DEFAULTS.log_every, help="steps between metrics rows"),
+    _option("--out", type=Path, required=True, help="output directory (checkpoint, metrics.jsonl, loss.png, model)"),
+    _option("--resume", action="store_true", help="continue the run in --out exactly where its checkpoint stopped"),
+    _option("--seed", type=int, default=_DEFAULTS.seed, help="seed of the initialisation and the data order"),
+    _option("--parallel", choices=("none", "ddp", "fsdp"), default="none", help="data parallelism under torchrun"),
+    _option("--threads", type=int, default=None, help="torch CPU threads (without it: torch's choice)"),
+    _option("--sample", default="def ", help="prompt of the sample printed at the end ('' for none)"),
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    defaults = TrainConfig()
-    add = parser.add_argument
-    add("--model", default="hybrid-tiny",
-        help="a preset name, a HybridConfig JSON file, or a checkpoint directory in any format hybridlm loads "
-             "(default: %(default)s)")
-    add("--data", nargs="+", default=None,
-        help="training text: files, directories or globs (default: the Python standard library's sources, "
-             "with hybridlm.training.HELD_OUT_STDLIB held out)")
-    add("--eval-data", nargs="+", default=None,
-        help="held-out text (default: the standard library's held-out files, or every 50th --data file)")
-    add("--tokenizer", default=None,
-        help="a tokenizer directory to reuse (default: train a byte-level BPE on the training text)")
-    add("--vocab-size", type=int, default=4096, help="vocabulary of a newly trained BPE (default: %(default)s)")
-    add("--seq-len", type=int, default=512, help="tokens per training row (default: %(default)s)")
-    add("--batch-size", type=int, default=defaults.batch_size,
-        help="global batch: rows per optimizer step, over all ranks and accumulation steps (default: %(default)s)")
-    add("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per step (default: %(default)s)")
-    add("--steps", type=int, default=defaults.steps, help="optimizer steps (default: %(default)s)")
-    add("--lr", type=float, default=defaults.lr, help="peak learning rate (default: %(default)s)")
-    add("--warmup", type=int, default=defaults.warmup, help="linear warmup steps (default: %(default)s)")
-    add("--weight-decay", type=float, default=defaults.weight_decay, help="AdamW weight decay (default: %(default)s)")
-    add("--precision", choices=PRECISIONS, default=defaults.precision, help="(default: %(default)s)")
-    add("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
-    add("--layout", choices=LAYOUTS, default=defaults.layout,
-        help="documents: packed, positions restart per document; stream: GPT-style rows (default: %(default)s)")
-    add("--eval-every", type=int, default=defaults.eval_every, help="steps between evaluations (default: %(default)s)")
-    add("--eval-rows", type=int, default=defaults.eval_rows,
-        help="held-out rows per periodic evaluation; the final one uses all (default: %(default)s)")
-    add("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (default: %(default)s)")
-    add("--log-every", type=int, default=defaults.log_every, help="steps between metrics rows (default: %(default)s)")
-    add("--out", type=Path, required=True, help="output directory (checkpoint, metrics.jsonl, loss.png, model)")
-    add("--resume", action="store_true", help="continue the run in --out exactly where its checkpoint stopped")
-    add("--seed", type=int, default=defaults.seed, help="(default: %(default)s)")
-    add("--parallel", choices=("none", "ddp", "fsdp"), default="none",
-        help="data parallelism under torchrun (default: %(default)s)")
-    add("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    add("--sample", default="def ", help="prompt of the sample printed at the end (default: %(default)r)")
+    for flags, settings in OPTIONS:
+        parser.add_argument(*flags, **settings)
     return parser
 
 
@@ -157,6 +166,7 @@ def run(args) -> dict:
               f"{len(eval_rows)} held-out rows; {1 / tokens_per_byte:.2f} bytes per token")
     last = train(model, rows, config, out, eval_rows=eval_rows, tokens_per_byte=tokens_per_byte,
                  resume=args.resume, parallel=parallel)
+    model = parallel.full_model(model)  # FSDP: gather the shards (collective); None on other ranks
     if parallel.is_main:
         model.config.eos_token_id = model.generation_config.eos_token_id = eos
         model.config.bos_token_id = model.generation_config.bos_token_id = eos
@@ -184,7 +194,7 @@ def _distributed(kind: str):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     return run(add_arguments(parser).parse_args(argv))
 
 

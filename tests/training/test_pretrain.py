@@ -1,0 +1,135 @@
+"""Pretraining end to end at toy scale: data, tokenizer, packing, exact resume, outputs, and bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hybridlm.training import pretrain
+from hybridlm.training.packing import pack_documents, rows_for_step
+
+TINY_MODEL = dict(hidden_size=32, layer_pattern="SASM", num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=48, mamba_d_state=4, mamba2_d_state=8, mamba2_head_dim=16, mamba2_chunk_size=8)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A few small Python files from the standard library: real text, tiny."""
+    import csv
+    import heapq
+    import textwrap
+
+    root = tmp_path_factory.mktemp("corpus")
+    for module in (csv, heapq, textwrap):
+        (root / Path(module.__file__).name).write_text(Path(module.__file__).read_text()[:6000])
+    return root
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("config") / "tiny.json"
+    path.write_text(json.dumps(TINY_MODEL))
+    return path
+
+
+def args_for(corpus: Path, model: Path | str, out: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--data", str(corpus / "csv.py"), str(corpus / "heapq.py"), "--eval-data",
+            str(corpus / "textwrap.py"), "--vocab-size", "300", "--seq-len", "32", "--batch-size", "4",
+            "--lr", "1e-2", "--warmup", "2", "--eval-every", "3", "--eval-rows", "2", "--save-every", "3",
+            "--log-every", "1", "--sample", "", "--out", str(out), *extra]
+
+
+def test_packing_restarts_positions_at_document_starts():
+    eos = 0
+    rows = pack_documents(torch.tensor([5, 6, 0, 7, 8, 9, 0, 1, 2, 3, 4, 0, 9]), seq_len=4, eos_id=eos)
+    assert rows.ids.tolist() == [[5, 6, 0, 7], [8, 9, 0, 1], [2, 3, 4, 0]]
+    # a document cut by a row boundary continues as a new document (position 0) in the next row
+    assert rows.positions.tolist() == [[0, 1, 2, 0], [0, 1, 2, 0], [0, 1, 2, 3]]
+    batch = rows.batch(torch.tensor([0]), "documents")
+    assert batch["labels"].tolist() == [[-100, 6, 0, -100]]  # nothing predicts a document's first token
+    assert "position_ids" not in rows.batch(torch.tensor([0]), "stream")
+
+
+def test_row_order_is_a_function_of_step_and_covers_each_epoch():
+    epoch = torch.cat([rows_for_step(step, 4, 12, seed=3) for step in range(3)])
+    assert sorted(epoch.tolist()) == list(range(12))
+    assert torch.equal(rows_for_step(4, 4, 12, seed=3), rows_for_step(4, 4, 12, seed=3))
+    assert not torch.equal(rows_for_step(3, 4, 12, seed=3), rows_for_step(0, 4, 12, seed=3))  # a new epoch order
+
+
+def test_pretrain_learns_saves_and_loads_with_auto_classes(corpus, model_file, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    last = pretrain.main(args_for(corpus, model_file, tmp_path, "--steps", "12"))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    eval_rows = [r for r in rows if "eval_loss" in r]
+    assert {"step", "loss", "lr", "tokens", "tokens_per_s"} <= set(train_rows[0])
+    assert {"eval_loss", "bits_per_byte"} <= set(eval_rows[-1])
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0  # from ~ln(300) = 5.7 towards the text's statistics
+    assert last["step"] == 12 and last["tokens"] == 12 * 4 * 32
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.config.vocab_size == len(tokenizer) == 300
+    ids = tokenizer("def heappush(heap, item):", return_tensors="pt")["input_ids"]
+    assert tokenizer.decode(ids[0]) == "def heappush(heap, item):"  # byte-level: text round-trips exactly
+    assert model(ids).logits.shape == (1, ids.shape[1], 300)
+
+
+def test_resume_continues_exactly(corpus, model_file, tmp_path, monkeypatch):
+    """A run stopped after its step-3 checkpoint and resumed ends with the weights of an uninterrupted run."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    pretrain.main(args_for(corpus, model_file, whole, "--steps", "7"))
+
+    from hybridlm.training import loop
+
+    def stop_at_step_4(step, *args, **kwargs):
+        if step == 4:
+            raise KeyboardInterrupt  # as if the process were killed after the step-3 checkpoint
+        return rows_for_step(step, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loop, "rows_for_step", stop_at_step_4)
+        with pytest.raises(KeyboardInterrupt):
+            pretrain.main(args_for(corpus, model_file, split, "--steps", "7"))
+    pretrain.main(args_for(corpus, model_file, split, "--steps", "7", "--resume"))
+    expected, got = load_file(whole / "model.safetensors"), load_file(split / "model.safetensors")
+    assert expected.keys() == got.keys()
+    for name in expected:
+        assert (got[name] - expected[name]).abs().max() <= 1e-6, name
+    steps = [json.loads(line)["step"] for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [json.loads(line)["step"] for line in (whole / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bad_input_is_an_error_before_training(corpus, model_file, tmp_path):
+    def fails(message: str, *argv: str, out: Path | None = None):
+        target = out if out is not None else tmp_path / "new"
+        with pytest.raises((ValueError, FileNotFoundError, FileExistsError), match=message):
+            pretrain.main(args_for(corpus, model_file, target, "--steps", "2", *argv))
+
+    fails("no such file", "--data", str(corpus / "missing.txt"))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    fails("empty", "--data", str(empty))
+    limited = tmp_path / "limited.json"
+    limited.write_text(json.dumps({**TINY_MODEL, "max_position_embeddings": 16}))
+    fails("beyond the model's limit", "--model", str(limited))
+    fails("not divisible by --grad-accum", "--grad-accum", "3")
+    fails("not a preset", "--model", "no-such-preset")
+    fails("--resume: no checkpoint", "--resume")
+
+    done = tmp_path / "done"
+    pretrain.main(args_for(corpus, model_file, done, "--steps", "3"))
+    before = (done / "checkpoint" / "model.safetensors").read_bytes()
+    fails("already holds a checkpoint", out=done)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**TINY_MODEL, "hidden_size": 64}))
+    fails("of another model.*hidden_size", "--model", str(other), "--resume", out=done)
+    small_vocab = tmp_path / "small_vocab"
+    pretrain.main(args_for(corpus, model_file, small_vocab, "--steps", "1", "--vocab-size", "280"))
+    fails("the tokenizer has 300 entries", "--model", str(small_vocab))
+    assert (done / "checkpoint" / "model.safetensors").read_bytes() == before  # nothing overwritten
