@@ -61,7 +61,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text and action.option_strings:
+        stated = default is not None and default is not False and default != argparse.SUPPRESS
+        if stated and "%(default)" not in text and action.option_strings:
             shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
             text += f" (default: {shown})"
         return text
@@ -336,6 +337,20 @@ def run_convert(args) -> None:
     model = load(args.src)
     model.save_pretrained(args.dst, format=args.to)
     print(f"wrote {args.dst} ({args.to})")
+
+
+def _train_options():
+    from .training.pretrain import OPTIONS  # argparse settings only: no torch
+
+    return OPTIONS
+
+
+@command("train", "Pretrain a model (default: a 1:3 hybrid on the Python standard library); docs/training.md.",
+         *_train_options())
+def run_train(args) -> None:
+    from .training.pretrain import run
+
+    run(args)
 
 
 if __name__ == "__main__":
