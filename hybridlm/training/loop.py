@@ -54,8 +54,12 @@ def evaluate(model, rows: PackedRows, layout: str, limit: int | None = None, bat
 
 
 def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows: PackedRows | None = None,
-          tokens_per_byte: float | None = None, resume: bool = False, parallel=None) -> dict:
+          tokens_per_byte: float | None = None, resume: bool = False, parallel=None,
+          losses=token_losses) -> dict:
     """Train ``model`` on ``rows``; checkpoints and metrics go to ``out``. Returns the last logged metrics.
+
+    ``losses(model, batch, precision) -> (summed loss, target count, aux loss)`` is :func:`token_losses` unless a
+    task computes its loss otherwise (MQAR: logits only at its few answer positions).
 
     ``parallel`` (a :class:`hybridlm.training.distributed.Parallel`; single-process when None) wraps the model,
     shards each global batch by rank and reduces the logged numbers."""
@@ -91,7 +95,7 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
             local = parallel.shard(chunk)
             batch = rows.batch(local, config.layout)
             with parallel.no_sync(wrapped, last_micro=k == len(chunks) - 1):
-                loss_sum, _, aux = token_losses(wrapped, batch, config.precision)
+                loss_sum, _, aux = losses(wrapped, batch, config.precision)
                 loss = loss_sum / global_targets  # gradients are summed over ranks: the global mean
                 if aux is not None and coef:
                     loss = loss + coef * aux * (len(local) / config.batch_size)
