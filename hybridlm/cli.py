@@ -41,7 +41,8 @@ COMMANDS: dict[str, Command] = {}
 
 def option(*flags: str, **settings) -> Option:
     """One argument of a subcommand, as for ``add_argument``. Every option needs ``help``; a default other than
-    None / False is appended to it, so for a default of None say in ``help`` what happens without the option."""
+    None / False is appended to it, so for a default of None say in ``help`` what happens without the option
+    (``"...; default: ..."`` or ``"(without it: ...)"``): ``tests/test_cli.py`` checks that every option does."""
     return flags, settings
 
 

@@ -1,14 +1,20 @@
-"""The ``hybridlm`` command, run in-process."""
+"""The ``hybridlm`` command, run in-process (and in a subprocess where what it imports matters)."""
 
+import argparse
+import copy
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from hybridlm.cli import main
+from hybridlm.bench import Timing, time_calls
+from hybridlm.cli import COMMANDS, build_parser, main
 from hybridlm.generation import IncrementalDecoder
+from hybridlm.presets import PRESETS
 from tests.helpers import tiny_model
 
 WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(59)]
@@ -19,7 +25,7 @@ def test_demo_reports_cache_and_speed(capsys):
     out = capsys.readouterr().out
     assert "cache B/token" in out and "decode ms/token" in out
     assert "8.0x fewer cache bytes per token" in out  # one attention layer in eight
-    assert "Generating 16 tokens" in out
+    assert "Generating 16 tokens" in out and "min / median" in out
 
 
 def test_info_by_kind_for_a_preset_and_a_config_file(capsys, tmp_path):
@@ -35,6 +41,43 @@ def test_info_by_kind_for_a_preset_and_a_config_file(capsys, tmp_path):
     assert "+ 256 B per token of context" in out
 
 
+def test_info_without_arguments_names_its_preset(capsys):
+    main(["info", "--context", "16"])
+    assert capsys.readouterr().out.startswith("preset: jamba-small (the default")
+
+
+def test_info_reads_what_save_pretrained_writes(capsys, tmp_path):
+    model = tiny_model(layer_pattern="SA", mamba2_dt_limit=(0.0, float("inf")))
+    model.save_pretrained(tmp_path)
+    assert "Infinity" in (tmp_path / "config.json").read_text()  # the encoding that used to break it
+    expected = model.new_cache(1)
+    for source in (tmp_path, tmp_path / "config.json"):
+        main(["info", "--config", str(source), "--context", "10"])
+        out = capsys.readouterr().out
+        assert f"config: {source}" in out and f"{expected.nbytes():,} B fixed" in out
+
+
+def test_info_config_that_does_not_exist(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["info", "--config", str(tmp_path / "nope")])
+    assert "no such file or directory" in capsys.readouterr().err
+
+
+def test_a_mistyped_local_path_says_the_directory_does_not_exist(capsys, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a local path must not reach the hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "checkpoints").mkdir()
+    for path in (str(tmp_path / "chekpoint"), "checkpoints/run-1", "./run-1", "runs/a/b"):
+        with pytest.raises(SystemExit):
+            main(["generate", "--model", path, "--ids", "1"])
+        assert f"directory {path} does not exist" in capsys.readouterr().err
+
+
 def test_info_rejects_a_bad_config_file(capsys, tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"layer_pattern": "AZ"}))
@@ -46,7 +89,8 @@ def test_info_rejects_a_bad_config_file(capsys, tmp_path):
 def test_bench_prints_the_comparison(capsys):
     main(["bench", "--contexts", "32", "64", "--steps", "2", "--scan-length", "64"])
     out = capsys.readouterr().out
-    for name in ("all-attention", "jamba 1:7", "all-mamba2", "selective_scan", "ssd_chunk_scan", "speedup"):
+    for name in ("all-attention", "jamba 1:7", "all-mamba2", "selective_scan", "ssd_chunk_scan", "speedup (median)",
+                 "speedup (min)", "min / median"):
         assert name in out
 
 
@@ -118,3 +162,70 @@ def test_convert_to_a_foreign_format_that_transformers_reads(tmp_path):
     ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
     with torch.no_grad():
         assert (back(ids).logits - source(ids).logits).abs().max() < 1e-5
+
+
+def option_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
+
+
+def subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_every_option_has_help_with_its_default():
+    commands = subparsers(build_parser())
+    assert list(commands) == list(COMMANDS) and {"demo", "info", "bench", "generate", "convert"} <= set(commands)
+    for name, sub in commands.items():
+        formatter = sub._get_formatter()
+        for action in option_actions(sub):
+            action = copy.copy(action)
+            action.help = formatter._get_help_string(action)  # what --help prints, the default appended
+            text = formatter._expand_help(action) if action.help else ""
+            where = f"hybridlm {name} {'/'.join(action.option_strings) or action.dest}"
+            assert text, f"{where} has no help"
+            if action.option_strings and not action.required and action.nargs != 0:
+                assert "default" in text or "without it" in text, f"{where}: help does not state the default: {text!r}"
+            if action.default is not None and action.default is not False:
+                shown = " ".join(map(str, action.default)) if isinstance(action.default, list) else str(action.default)
+                assert shown in text, f"{where}: help does not show the default {action.default!r}"
+
+
+def test_help_lists_the_presets_and_has_no_markup():
+    top = build_parser().format_help()
+    assert all(name in top for name in COMMANDS)
+    info = subparsers(build_parser())["info"].format_help()
+    assert all(name in info for name in PRESETS)
+    for text in [top] + [sub.format_help() for sub in subparsers(build_parser()).values()]:
+        for markup in ("``", ":func:", ":class:", ":mod:", ":data:"):
+            assert markup not in text
+
+
+def modules_after(argv: list[str]) -> tuple[int, str, set[str]]:
+    """Exit status, stderr and the imported top-level modules of ``hybridlm ARGV`` run in a fresh interpreter."""
+    script = ("import sys\nfrom hybridlm.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n"
+              "    code = e.code\nprint(sorted({m.split('.')[0] for m in sys.modules}), file=sys.stderr)\n"
+              "raise SystemExit(code)")
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
+    *message, modules = done.stderr.strip().splitlines()
+    return done.returncode, "\n".join(message), set(eval(modules))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["info", "--help"], ["info", "--preset", "no-such-preset"],
+                                  ["bench", "--steps", "many"], []])
+def test_help_and_usage_errors_import_neither_torch_nor_transformers(argv):
+    code, err, modules = modules_after(argv)
+    assert code in (0, 2)
+    assert "torch" not in modules and "transformers" not in modules
+    if argv[1:2] == ["--preset"]:
+        assert "invalid choice" in err and "jamba-small" in err
+
+
+def test_timing_reports_min_and_median_after_warmup():
+    assert Timing.of([0.003, 0.001, 0.002]) == Timing(1.0, 2.0)
+    assert format(Timing(1.0, 2.5), ".1f") == "1.0 / 2.5"
+    calls = []
+    timing = time_calls(lambda: calls.append(1), repeats=4, warmup=3)
+    assert len(calls) == 7 and 0 <= timing.min_ms <= timing.median_ms
+    with pytest.raises(ValueError, match="repeats"):
+        time_calls(lambda: None, repeats=0)
