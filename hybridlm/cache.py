@@ -206,8 +206,10 @@ class HybridCache:
     """
 
     def __init__(self, states: list[LayerState], layer_types: list[str], signature: Any, batch_size: int,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, linear: list[bool] | None = None):
         self.states = states
+        # per state: True when it does not grow with context (the mixer's ``grows_with_context``; None: unknown)
+        self.linear = list(linear) if linear is not None else [False] * len(states)
         self.layer_types = list(layer_types)
         self.signature = signature
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -272,6 +274,7 @@ class HybridCache:
     def _shell(self, states: list[LayerState]) -> HybridCache:
         new = HybridCache.__new__(HybridCache)
         new.states, new.layer_types, new.signature, new.seen = states, self.layer_types, self.signature, self.seen
+        new.linear = self.linear
         return new
 
     # --- bookkeeping after a forward ------------------------------------------------------------
@@ -287,7 +290,8 @@ class HybridCache:
 
     @property
     def is_linear(self) -> list[bool]:
-        return ["attention" not in kind.split("+") and kind != "shared_attention" for kind in self.layer_types]
+        """Per state: a fixed size, whatever the context (what transformers calls a linear-attention layer)."""
+        return list(self.linear)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen

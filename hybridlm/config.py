@@ -15,11 +15,16 @@ read the same normalised input and their outputs are summed, as in Falcon-H1).
 from __future__ import annotations
 
 import difflib
+import functools
 import math
+import typing
 
 from transformers import GenerationConfig, PreTrainedConfig
 
-MIXER_TYPES = ("attention", "mamba", "mamba2", "performer", "linformer")
+from .config_rules import check_dtype, check_field
+from .mixers import MIXERS, Mixer, invalid_config, mixer_class, mixer_parts
+from .shared_blocks import SharedBlock
+
 MLP_TYPES = ("dense", "moe", "none")
 MLP_ACTIVATIONS = ("silu", "gelu", "relu2")
 #: ``mamba2_norm``: "gated" rms_norm(y * silu(z)) (Mamba-2); "norm_before_gate" rms_norm(y) * silu(z);
@@ -30,30 +35,41 @@ MAMBA2_NORMS = ("gated", "norm_before_gate", "none")
 #: DeepSeek-V3 / Nemotron-H).
 MOE_ROUTERS = ("softmax", "sigmoid")
 
-#: ``layer_pattern`` letters: A attention, M Mamba-1 (selective scan), S Mamba-2 (SSD),
-#: P Performer (FAVOR+), L Linformer.
-PATTERN_LETTERS = {"A": "attention", "M": "mamba", "S": "mamba2", "P": "performer", "L": "linformer"}
-
 # Keys that transformers' own machinery may hand to a config besides its fields.
 _TRANSFORMERS_KWARGS = {
     "model_type", "torch_dtype", "name_or_path", "_commit_hash", "output_attentions", "attn_implementation",
     "experts_implementation", "per_layer_config", "num_labels", "_attn_implementation_internal",
     "_experts_implementation_internal",
 }
+# The fields that describe the layer plan: checked before the plan is resolved.
+_PLAN_FIELDS = ("layer_types", "layer_pattern", "num_hidden_layers", "attn_layer_period", "attn_layer_offset",
+                "ssm_layer_type", "mlp_types", "expert_layer_period", "expert_layer_offset")
+
+
+def __getattr__(name: str):
+    """``MIXER_TYPES`` (the registered kinds) and ``PATTERN_LETTERS`` (letter -> kind) are read from the
+    registry when asked for, so that kinds registered later are included."""
+    if name == "MIXER_TYPES":
+        return tuple(MIXERS)
+    if name == "PATTERN_LETTERS":
+        return pattern_letters()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def pattern_letters() -> dict[str, str]:
+    """``layer_pattern`` letters of the registered kinds (``Mixer.pattern_letter``): ``{"A": "attention", ...}``."""
+    return {cls.pattern_letter: kind for kind, cls in MIXERS.items() if cls.pattern_letter is not None}
 
 
 def _fail(field: str, value, allowed: str) -> None:
-    raise ValueError(f"HybridConfig.{field}={value!r} is invalid: {allowed}")
+    raise invalid_config(field, value, allowed)
 
 
-def _positive_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
-
-
-def mixer_parts(kind: str) -> list[str]:
-    """The mixers of a ``layer_types`` entry: ``"none"`` (an MLP-only layer) has none; ``"attention+mamba2"``
-    runs both on the same input and sums their outputs (Falcon-H1)."""
-    return [] if kind == "none" else kind.split("+")
+@functools.cache
+def _field_hints() -> dict[str, typing.Any]:
+    """The annotation of each field HybridConfig declares (not those only transformers declares)."""
+    own = HybridConfig.__annotations__
+    return {name: eval(own[name], {}) for name in own if name in HybridConfig.__dataclass_fields__}
 
 
 class HybridConfig(PreTrainedConfig):
@@ -168,13 +184,36 @@ class HybridConfig(PreTrainedConfig):
                 "load foreign checkpoints with hybridlm.load() or HybridForCausalLM.from_pretrained()"
             )
         kwargs.pop("model_type", None)
+        check_dtype(self.dtype if self.dtype is not None else kwargs.get("torch_dtype"))
         mixers, mlps = self.layer_types, self.mlp_types
         super().__post_init__(**kwargs)
         # transformers renames legacy layer names ("mamba", "attention") in place; ours are not legacy.
         self.layer_types, self.mlp_types = mixers, mlps
+        self._check_fields(_PLAN_FIELDS)
         self._resolve_layers()
+        # a saved config encodes infinities as {"__float__": "Infinity"} (transformers' JSON form)
+        self.mamba2_dt_limit = self._decode_special_floats(self.mamba2_dt_limit)
+        self._check_fields([name for name in _field_hints() if name not in _PLAN_FIELDS])
         self._resolve_sizes()
         self._check()
+
+    # --- field types and ranges --------------------------------------------------------------
+
+    def _check_fields(self, names) -> None:
+        """Type and range of each of ``names`` that this config uses: a field that only mixer kinds absent from
+        the stack read is not checked (see ``Mixer.config_fields``)."""
+        owned = {field for cls in MIXERS.values() for field in cls.config_fields}
+        used = {field for cls in self.used_mixers.values() for field in cls.config_fields} if \
+            self.layer_types is not None and self.mlp_types is not None else owned
+        hints = _field_hints()
+        for name in names:
+            if name in owned and name not in used:
+                continue
+            value = getattr(self, name)
+            if name == "mamba_dt_rank" and value == "auto":
+                continue
+            check_field(name, value, int if name == "mamba_dt_rank" else hints[name],
+                        finite=name != "mamba2_dt_limit")
 
     # --- resolution of the short forms ------------------------------------------------------
 
@@ -185,11 +224,11 @@ class HybridConfig(PreTrainedConfig):
             self.num_hidden_layers = len(self.layer_types)
         if len(self.layer_types) != self.num_hidden_layers:
             _fail("num_hidden_layers", self.num_hidden_layers, f"the layer plan has {len(self.layer_types)} layers")
-        for i, kind in enumerate(self.layer_types):
-            parts = mixer_parts(kind)
-            if any(part not in MIXER_TYPES for part in parts) or len(set(parts)) != len(parts):
-                _fail(f"layer_types[{i}]", kind, f"allowed: a mixer from {MIXER_TYPES}, distinct mixers joined by "
-                      "'+' (run in parallel), or 'none' (an MLP-only layer)")
+        for i, entry in enumerate(self.layer_types):
+            try:
+                mixer_class(entry)
+            except ValueError as error:
+                _fail(f"layer_types[{i}]", entry, str(error))
         self.mlp_types = self._agree("mlp_types", self._mlp_plans(), ["dense"] * self.num_hidden_layers)
         if len(self.mlp_types) != self.num_hidden_layers:
             _fail("mlp_types", self.mlp_types, f"need one entry per layer ({self.num_hidden_layers})")
@@ -214,14 +253,16 @@ class HybridConfig(PreTrainedConfig):
     def _mixer_plans(self) -> tuple[dict[str, list[str] | None], list[str]]:
         plans: dict[str, list[str] | None] = {"layer_types": self.layer_types, "layer_pattern": None}
         if self.layer_pattern is not None:
-            bad = sorted(set(self.layer_pattern) - set(PATTERN_LETTERS))
-            if bad or not self.layer_pattern:
-                _fail("layer_pattern", self.layer_pattern, f"letters must be from {PATTERN_LETTERS}")
-            plans["layer_pattern"] = [PATTERN_LETTERS[c] for c in self.layer_pattern]
+            letters = pattern_letters()
+            if not self.layer_pattern or set(self.layer_pattern) - set(letters):
+                _fail("layer_pattern", self.layer_pattern, f"letters must be from {letters}")
+            plans["layer_pattern"] = [letters[c] for c in self.layer_pattern]
+        if self.ssm_layer_type not in MIXERS:
+            _fail("ssm_layer_type", self.ssm_layer_type, f"allowed mixers are {tuple(MIXERS)}")
         n = self.num_hidden_layers if self.num_hidden_layers is not None else 8
         period = self.attn_layer_period if self.attn_layer_period is not None else 8
         offset = self.attn_layer_offset if self.attn_layer_offset is not None else 4
-        if period < 1 or not 0 <= offset < period:
+        if not offset < period:
             _fail("attn_layer_offset", offset, f"need 0 <= offset < attn_layer_period={period}")
         jamba = ["attention" if i % period == offset else self.ssm_layer_type for i in range(n)]
         plans["attn_layer_period"] = jamba if self.attn_layer_period is not None else None
@@ -232,16 +273,19 @@ class HybridConfig(PreTrainedConfig):
         plans: dict[str, list[str] | None] = {"mlp_types": self.mlp_types, "expert_layer_period": None}
         if self.expert_layer_period is not None:
             period, offset = self.expert_layer_period, self.expert_layer_offset or 0
-            if period < 1 or not 0 <= offset < period:
+            if not offset < period:
                 _fail("expert_layer_offset", offset, f"need 0 <= offset < expert_layer_period={period}")
             plans["expert_layer_period"] = ["moe" if i % period == offset else "dense" for i in range(n)]
         return plans
 
     def _resolve_sizes(self) -> None:
+        """Defaults computed from other fields (each only from fields already checked or left unused)."""
+        heads = self.num_attention_heads
         if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None and self.num_attention_heads > 0:
-            self.head_dim = self.hidden_size // self.num_attention_heads
+            self.num_key_value_heads = heads
+        # with heads that do not divide hidden_size, head_dim stays None: attention kinds then demand it
+        if self.head_dim is None and isinstance(heads, int) and heads > 0 and self.hidden_size % heads == 0:
+            self.head_dim = self.hidden_size // heads
         if self.intermediate_size is None:
             self.intermediate_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
         if self.moe_intermediate_size is None:
@@ -250,81 +294,35 @@ class HybridConfig(PreTrainedConfig):
             self.mamba_dt_rank = math.ceil(self.hidden_size / 16)
         if self.mamba2_dt_limit is None:
             self.mamba2_dt_limit = [0.0, float("inf")]
-        self.mamba2_dt_limit = [float(v) for v in self.mamba2_dt_limit]
+        if isinstance(self.mamba2_dt_limit, (list, tuple)):
+            self.mamba2_dt_limit = [float(v) if isinstance(v, (int, float)) else v for v in self.mamba2_dt_limit]
         if self.mamba_dt_norm_eps is None:
             self.mamba_dt_norm_eps = self.rms_norm_eps
 
+    # --- settings that must agree with each other -------------------------------------------------
+
     def _check(self) -> None:
-        positive = [
-            "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "intermediate_size", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank",
-            "mamba2_d_state", "mamba2_d_conv", "mamba2_expand", "mamba2_head_dim", "mamba2_n_groups",
-            "mamba2_chunk_size", "performer_num_features", "linformer_rank", "linformer_max_length",
-            "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-        ]
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                _fail(name, value, "must be a positive integer")
-        for name in ("max_position_embeddings", "sliding_window", "performer_redraw_interval"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                _fail(name, value, "must be None or a positive integer")
-        if self.num_attention_heads % self.num_key_value_heads:
-            _fail(
-                "num_key_value_heads", self.num_key_value_heads,
-                f"must divide num_attention_heads={self.num_attention_heads} (GQA groups query heads evenly)",
-            )
-        if not 0.0 <= self.partial_rotary_factor <= 1.0:
-            _fail("partial_rotary_factor", self.partial_rotary_factor, "must be in [0, 1]")
-        if int(self.head_dim * self.partial_rotary_factor) % 2:
-            _fail("partial_rotary_factor", self.partial_rotary_factor, "head_dim * factor must be even")
-        if self.ssm_layer_type not in MIXER_TYPES:
-            _fail("ssm_layer_type", self.ssm_layer_type, f"allowed mixers are {MIXER_TYPES}")
-        for name in ("rms_norm_eps", "mamba_dt_norm_eps"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1:
-                _fail(name, value, "must be a number in (0, 1)")
-        if self.mlp_activation not in MLP_ACTIVATIONS:
-            _fail("mlp_activation", self.mlp_activation, f"allowed activations are {MLP_ACTIVATIONS}")
+        for name, cls in self.used_mixers.items():
+            unknown = [field for field in cls.config_fields if field not in self.__dataclass_fields__]
+            if unknown:
+                raise ValueError(f"mixer kind {name!r} declares config_fields {unknown} that HybridConfig lacks")
+            cls.check_config(self)
+        for name, allowed in (("mlp_activation", MLP_ACTIVATIONS), ("mamba2_norm", MAMBA2_NORMS),
+                              ("moe_router", MOE_ROUTERS)):
+            if getattr(self, name) not in allowed:
+                _fail(name, getattr(self, name), f"allowed: {allowed}")
         if self.num_experts_per_tok > self.num_experts:
             _fail("num_experts_per_tok", self.num_experts_per_tok, f"must be <= num_experts={self.num_experts}")
-        if "mamba2" in self.mixer_kinds:
-            inner = self.mamba2_d_inner
-            if inner % self.mamba2_head_dim:
-                _fail("mamba2_head_dim", self.mamba2_head_dim, f"must divide the SSD inner size {inner}")
-            heads = inner // self.mamba2_head_dim
-            if heads % self.mamba2_n_groups:
-                _fail("mamba2_n_groups", self.mamba2_n_groups, f"must divide the number of SSD heads ({heads})")
-        low, high = self.mamba2_dt_limit
-        if len(self.mamba2_dt_limit) != 2 or not 0.0 <= low < high:
-            _fail("mamba2_dt_limit", self.mamba2_dt_limit, "must be [low, high] with 0 <= low < high")
-        self._check_options()
-
-    def _check_options(self) -> None:
-        """The options that express foreign architectures' quirks (multipliers, routers, shared blocks)."""
-        for name in ("embedding_multiplier", "residual_multiplier", "logits_multiplier", "moe_routed_scaling"):
-            if not _positive_number(getattr(self, name)):
-                _fail(name, getattr(self, name), "must be a positive finite number")
-        if self.attention_scale is not None and not _positive_number(self.attention_scale):
-            _fail("attention_scale", self.attention_scale, "must be None or a positive finite number")
-        if self.mamba2_inner_size is not None and (not isinstance(self.mamba2_inner_size, int)
-                                                   or self.mamba2_inner_size < 1):
-            _fail("mamba2_inner_size", self.mamba2_inner_size, "must be None or a positive integer")
-        if self.mamba2_norm not in MAMBA2_NORMS:
-            _fail("mamba2_norm", self.mamba2_norm, f"allowed: {MAMBA2_NORMS}")
         self._check_router()
         self._check_shared_blocks()
 
     def _check_router(self) -> None:
-        if self.moe_router not in MOE_ROUTERS:
-            _fail("moe_router", self.moe_router, f"allowed: {MOE_ROUTERS}")
         groups, chosen = self.moe_num_groups, self.moe_topk_groups
-        if not isinstance(groups, int) or groups < 1 or self.num_experts % groups:
-            _fail("moe_num_groups", groups, f"must be a positive divisor of num_experts={self.num_experts}")
+        if self.num_experts % groups:
+            _fail("moe_num_groups", groups, f"must divide num_experts={self.num_experts}")
         if groups > 1 and (self.moe_router != "sigmoid" or self.num_experts // groups < 2):
             _fail("moe_num_groups", groups, "groups need moe_router='sigmoid' and at least 2 experts per group")
-        if not isinstance(chosen, int) or not 1 <= chosen <= groups:
+        if chosen > groups:
             _fail("moe_topk_groups", chosen, f"must be in [1, moe_num_groups={groups}]")
         if self.num_experts_per_tok > chosen * (self.num_experts // groups):
             _fail("num_experts_per_tok", self.num_experts_per_tok,
@@ -334,17 +332,14 @@ class HybridConfig(PreTrainedConfig):
         layers = self.shared_block_layers
         if layers is None:
             return
-        if not layers or sorted(set(layers)) != list(layers) or not all(
-                isinstance(i, int) and 0 <= i < self.num_hidden_layers for i in layers):
+        if not layers or sorted(set(layers)) != list(layers) or not all(0 <= i < self.num_hidden_layers
+                                                                         for i in layers):
             _fail("shared_block_layers", layers,
                   f"must be increasing, distinct layer indices in [0, {self.num_hidden_layers})")
-        if not isinstance(self.num_shared_blocks, int) or not 1 <= self.num_shared_blocks <= len(layers):
+        if self.num_shared_blocks > len(layers):
             _fail("num_shared_blocks", self.num_shared_blocks, f"must be in [1, {len(layers)}] (one per application "
                   "at most)")
-        rank = self.shared_block_adapter_rank
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            _fail("shared_block_adapter_rank", rank, "must be a non-negative integer")
-        if self.shared_block_attention_adapters and rank == 0:
+        if self.shared_block_attention_adapters and self.shared_block_adapter_rank == 0:
             _fail("shared_block_attention_adapters", True, "needs shared_block_adapter_rank > 0")
 
     def validate(self) -> None:
@@ -357,13 +352,37 @@ class HybridConfig(PreTrainedConfig):
     # --- derived quantities -----------------------------------------------------------------
 
     @property
+    def used_mixers(self) -> dict[str, type[Mixer]]:
+        """The class of every mixer kind this model runs: the parts of every layer (parallel layers included)
+        and the attention of shared blocks."""
+        used = {kind: MIXERS[kind] for entry in self.layer_types for kind in mixer_parts(entry)}
+        if self.shared_block_layers:
+            used.setdefault(SharedBlock.mixer_class.kind, SharedBlock.mixer_class)
+        return used
+
+    @property
+    def mixer_kinds(self) -> set[str]:
+        """Every mixer kind some layer runs (the parts of parallel layers included)."""
+        return {part for kind in self.layer_types for part in mixer_parts(kind)}
+
+    @property
+    def is_causal(self) -> bool:
+        """Every mixer is causal under this config (what a causal LM needs; see ``Mixer.is_causal``)."""
+        return all(cls.is_causal(self) for cls in self.used_mixers.values())
+
+    @property
+    def length_limits(self) -> dict[str, int]:
+        """Each limit on the positions the model accepts, by what sets it: ``max_position_embeddings`` and every
+        mixer kind with a limit (``Mixer.max_positions``, e.g. Linformer's ``linformer_max_length``)."""
+        limits = {"max_position_embeddings": self.max_position_embeddings}
+        limits.update({cls.max_positions_field or kind: cls.max_positions(self)
+                       for kind, cls in self.used_mixers.items()})
+        return {source: limit for source, limit in limits.items() if limit is not None}
+
+    @property
     def max_length_limit(self) -> int | None:
-        """The most positions the model accepts: ``max_position_embeddings``, and ``linformer_max_length`` when
-        a Linformer layer is present (its projections have one column per position). None: unlimited."""
-        limits = [self.max_position_embeddings] if self.max_position_embeddings is not None else []
-        if "linformer" in self.layer_types:
-            limits.append(self.linformer_max_length)
-        return min(limits) if limits else None
+        """The most positions the model accepts (the smallest of :attr:`length_limits`); None: unlimited."""
+        return min(self.length_limits.values(), default=None)
 
     @property
     def mamba_d_inner(self) -> int:
@@ -372,11 +391,6 @@ class HybridConfig(PreTrainedConfig):
     @property
     def mamba2_d_inner(self) -> int:
         return self.mamba2_inner_size or self.mamba2_expand * self.hidden_size
-
-    @property
-    def mixer_kinds(self) -> set[str]:
-        """Every mixer kind some layer runs (the parts of parallel layers included)."""
-        return {part for kind in self.layer_types for part in mixer_parts(kind)}
 
     @property
     def mamba2_num_heads(self) -> int:

@@ -13,7 +13,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from .cache import HybridCache, LayerState, StateGroup
-from .config import HybridConfig, mixer_parts
+from .config import HybridConfig
 from .hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
 from .layers.mlp import MLP, MoE
 from .layers.norms import RMSNorm
@@ -56,7 +56,7 @@ class HybridBlock(GradientCheckpointingLayer):
         self.mixer_type, self.mlp_type = config.layer_types[layer_idx], config.mlp_types[layer_idx]
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.residual_multiplier = config.residual_multiplier
-        self.mixer = build_mixer(mixer_parts(self.mixer_type), config, layer_idx)
+        self.mixer = build_mixer(self.mixer_type, config, layer_idx)
         if self.mixer is not None:
             self.input_layernorm = RMSNorm(hidden, eps)
         if self.mlp_type == "dense":
@@ -160,7 +160,8 @@ class HybridModel(HybridPreTrainedModel):
         device = device if device is not None else self.embed_tokens.weight.device
         dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
         kinds, states = self._init_states(batch_size, max_length, device, dtype)
-        return HybridCache(states, kinds, self._signature(dtype), batch_size, device)
+        fixed = [mixer is None or not mixer.grows_with_context for mixer in self._state_mixers()]
+        return HybridCache(states, kinds, self._signature(dtype), batch_size, device, linear=fixed)
 
     def _init_states(self, batch_size, max_length, device, dtype) -> tuple[list[str], list[LayerState]]:
         """Kinds and empty states: one per layer, then one per shared-block application."""
@@ -172,11 +173,21 @@ class HybridModel(HybridPreTrainedModel):
         return kinds, states
 
     def _signature(self, dtype: torch.dtype) -> tuple:
-        """What identifies the states this model reads: per state, its kind and its fixed shapes."""
+        """What identifies the states this model reads: per state, its kind, its fixed shapes and the settings
+        that change what it means (``Mixer.state_fields``: a sliding window, RoPE)."""
         if dtype not in self._signatures:
             kinds, probe = self._init_states(1, None, "meta", dtype)
-            self._signatures[dtype] = tuple((kind, s.describe()) for kind, s in zip(kinds, probe))
+            settings = [mixer.state_settings(self.config) if mixer is not None else () for mixer in
+                        self._state_mixers()]
+            self._signatures[dtype] = tuple(zip(kinds, (s.describe() for s in probe), settings))
         return self._signatures[dtype]
+
+    def _state_mixers(self) -> list[Mixer | None]:
+        """The mixer that owns each state (as in :meth:`_init_states`); None for an MLP-only layer."""
+        mixers = [block.mixer for block in self.layers]
+        if self.shared is not None:
+            mixers += [self.shared.block_of(k).attention for k in range(len(self.shared.layers))]
+        return mixers
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -283,7 +294,7 @@ class HybridModel(HybridPreTrainedModel):
         limit = self.config.max_length_limit
         if limit is not None and time and int(positions.max()) >= limit:
             raise ValueError(f"sequence too long: position {int(positions.max())} is beyond this model's limit of "
-                             f"{limit} positions (max_position_embeddings / linformer_max_length)")
+                             f"{limit} positions ({self.config.length_limits})")
         return positions
 
 
@@ -294,9 +305,12 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
 
     def __init__(self, config: HybridConfig):
         super().__init__(config)
-        if "linformer" in config.layer_types and not config.linformer_causal:
-            raise ValueError("HybridForCausalLM needs causal mixers: set linformer_causal=True "
-                             "(the bidirectional Linformer is for HybridModel used as an encoder)")
+        bidirectional = [kind for kind, cls in config.used_mixers.items() if not cls.is_causal(config)]
+        if bidirectional:
+            fields = [f"{cls.causal_field}=False" for cls in map(config.used_mixers.get, bidirectional)
+                      if cls.causal_field is not None]
+            raise ValueError(f"HybridForCausalLM needs causal mixers, but {bidirectional} see later tokens under this "
+                             f"config ({', '.join(fields) or 'not causal'}); use HybridModel as an encoder instead")
         self.model = HybridModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()

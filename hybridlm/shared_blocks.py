@@ -56,11 +56,13 @@ class SharedBlockSite(nn.Module):
 class SharedBlock(nn.Module):
     """Attention over ``cat(h, embeddings)`` then an MLP, with no residual inside (see the module docstring)."""
 
+    mixer_class = Attention  # its settings are validated and its state is signed as that kind's
+
     def __init__(self, config):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = RMSNorm(2 * hidden, eps)
-        self.attention = Attention(config, input_size=2 * hidden)
+        self.attention = self.mixer_class(config, input_size=2 * hidden)
         self.pre_mlp_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(hidden, config.intermediate_size, config.mlp_activation)
 

@@ -1,7 +1,8 @@
 """Sequence mixers behind one contract (see :mod:`hybridlm.mixers.base`), registered by name."""
 
 from . import attention, linformer, mamba, mamba2, performer  # noqa: F401  (each registers itself)
-from .base import MIXERS, Mixer, register
-from .parallel import ParallelMixer, build_mixer
+from .base import MIXERS, Mixer, invalid_config, register
+from .parallel import ParallelMixer, build_mixer, mixer_class, mixer_parts
 
-__all__ = ["MIXERS", "Mixer", "ParallelMixer", "build_mixer", "register"]
+__all__ = ["MIXERS", "Mixer", "ParallelMixer", "build_mixer", "invalid_config", "mixer_class", "mixer_parts",
+           "register"]

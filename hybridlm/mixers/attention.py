@@ -8,7 +8,7 @@ from torch import nn
 from .. import ops
 from ..cache import KVState
 from ..layers.rotary import RotaryEmbedding
-from .base import Mixer, register
+from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
 
 
 @register("attention")
@@ -19,6 +19,24 @@ class Attention(Mixer):
     ``hidden_size`` wide (Zamba2's shared block reads the hidden state concatenated with the embeddings).
     ``forward`` is :meth:`project` then :meth:`attend`; callers that add to q/k/v (per-site LoRA adapters)
     call the two themselves."""
+
+    pattern_letter = "A"
+    config_fields = HEAD_LAYOUT_FIELDS + ("num_key_value_heads", "rope_theta", "partial_rotary_factor",
+                                          "sliding_window", "attention_scale")
+    state_fields = ("sliding_window", "rope_theta", "partial_rotary_factor")  # keys are kept rotated
+    causal = True
+    grows_with_context = True
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        check_head_layout(config)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        if heads % kv_heads:
+            raise invalid_config("num_key_value_heads", kv_heads,
+                                 f"must divide num_attention_heads={heads} (GQA groups query heads evenly)")
+        if int(config.head_dim * config.partial_rotary_factor) % 2:
+            raise invalid_config("partial_rotary_factor", config.partial_rotary_factor,
+                                 f"head_dim={config.head_dim} * partial_rotary_factor must be even")
 
     def __init__(self, config, layer_idx: int = 0, input_size: int | None = None):
         super().__init__()

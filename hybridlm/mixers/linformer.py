@@ -19,11 +19,21 @@ from torch import nn
 
 from .. import ops
 from ..cache import CompressedKVState
-from .base import Mixer, register, zero_padding
+from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register, zero_padding
 
 
 @register("linformer")
 class Linformer(Mixer):
+    pattern_letter = "L"
+    config_fields = HEAD_LAYOUT_FIELDS + ("linformer_rank", "linformer_max_length", "linformer_causal")
+    causal_field = "linformer_causal"  # the paper's form (False) sees the whole sequence
+    grows_with_context = False
+    max_positions_field = "linformer_max_length"  # E and F have one column per position
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        check_head_layout(config)
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         hidden, bias = config.hidden_size, config.attention_bias

@@ -17,7 +17,7 @@ from .. import ops
 from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import RMSNorm
-from .base import Mixer, register, zero_padding
+from .base import Mixer, check_dt_range, register, zero_padding
 from .segments import check_stateless
 
 
@@ -29,6 +29,17 @@ def inverse_softplus_dt(size: int, dt_min: float, dt_max: float, floor: float) -
 
 @register("mamba")
 class Mamba(Mixer):
+    pattern_letter = "M"
+    config_fields = ("mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank", "mamba_conv_bias",
+                     "mamba_proj_bias", "mamba_dt_norm", "mamba_dt_norm_learnable", "mamba_dt_norm_eps",
+                     "mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor")
+    causal = True
+    grows_with_context = False
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        check_dt_range(config, "mamba_dt_min", "mamba_dt_max")
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.config = config

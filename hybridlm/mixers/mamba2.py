@@ -15,13 +15,34 @@ from .. import ops
 from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import GatedRMSNorm
-from .base import Mixer, register, zero_padding
+from .base import Mixer, check_dt_range, invalid_config, register, zero_padding
 from .mamba import inverse_softplus_dt
 from .segments import check_stateless
 
 
 @register("mamba2")
 class Mamba2(Mixer):
+    pattern_letter = "S"
+    config_fields = ("mamba2_d_state", "mamba2_d_conv", "mamba2_expand", "mamba2_head_dim", "mamba2_n_groups",
+                     "mamba2_chunk_size", "mamba2_conv_bias", "mamba2_proj_bias", "mamba2_dt_min", "mamba2_dt_max",
+                     "mamba2_dt_init_floor", "mamba2_dt_limit", "mamba2_inner_size", "mamba2_norm")
+    causal = True
+    grows_with_context = False
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        check_dt_range(config, "mamba2_dt_min", "mamba2_dt_max")
+        limit = config.mamba2_dt_limit
+        if len(limit) != 2 or not 0.0 <= limit[0] < limit[1]:
+            raise invalid_config("mamba2_dt_limit", limit, "must be [low, high] with 0 <= low < high (high may be "
+                                 "inf)")
+        inner, head_dim = config.mamba2_d_inner, config.mamba2_head_dim
+        if inner % head_dim:
+            raise invalid_config("mamba2_head_dim", head_dim, f"must divide the SSD inner size {inner}")
+        if (inner // head_dim) % config.mamba2_n_groups:
+            raise invalid_config("mamba2_n_groups", config.mamba2_n_groups,
+                                 f"must divide the number of SSD heads ({inner // head_dim})")
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.config = config

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import ops
 from ..cache import LinearAttentionState
-from .base import Mixer, register
+from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register
 
 
 def orthogonal_random_features(features: int, dim: int) -> torch.Tensor:
@@ -31,6 +31,15 @@ def orthogonal_random_features(features: int, dim: int) -> torch.Tensor:
 
 @register("performer")
 class Performer(Mixer):
+    pattern_letter = "P"
+    config_fields = HEAD_LAYOUT_FIELDS + ("performer_num_features", "performer_redraw_interval")
+    causal = True
+    grows_with_context = False
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        check_head_layout(config)
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         hidden, bias = config.hidden_size, config.attention_bias

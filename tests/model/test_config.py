@@ -7,6 +7,7 @@ from transformers import PreTrainedConfig
 
 from hybridlm import HybridConfig
 from hybridlm.config import PATTERN_LETTERS
+from hybridlm.mixers import MIXERS
 from tests.helpers import tiny_config
 
 
@@ -14,7 +15,7 @@ def test_pattern_letters():
     config = HybridConfig(layer_pattern="AMSPL")
     assert config.layer_types == ["attention", "mamba", "mamba2", "performer", "linformer"]
     assert config.num_hidden_layers == 5
-    assert set(PATTERN_LETTERS.values()) == {"attention", "mamba", "mamba2", "performer", "linformer"}
+    assert PATTERN_LETTERS == {cls.pattern_letter: kind for kind, cls in MIXERS.items() if cls.pattern_letter}
 
 
 def test_jamba_period_offset_form():
@@ -45,11 +46,11 @@ def test_forms_must_agree():
     (dict(layer_pattern="AXM"), "layer_pattern"),
     (dict(layer_pattern="AM", num_hidden_layers=3), "num_hidden_layers"),
     (dict(layer_pattern="AM", mlp_types=["dense", "sparse"]), "mlp_types\\[1\\]"),
-    (dict(num_attention_heads=6, num_key_value_heads=4), "num_key_value_heads"),
+    (dict(num_attention_heads=8, num_key_value_heads=3), "num_key_value_heads"),
     (dict(num_experts=2, num_experts_per_tok=3), "num_experts_per_tok"),
     (dict(layer_pattern="S", mamba2_head_dim=48), "mamba2_head_dim"),
     (dict(layer_pattern="S", mamba2_n_groups=3), "mamba2_n_groups"),
-    (dict(mamba2_dt_limit=[0.5, 0.1]), "mamba2_dt_limit"),
+    (dict(layer_pattern="S", mamba2_dt_limit=[0.5, 0.1]), "mamba2_dt_limit"),
     (dict(partial_rotary_factor=1.5), "partial_rotary_factor"),
     (dict(mlp_activation="tanh"), "mlp_activation"),
     (dict(hidden_size=0), "hidden_size"),

@@ -1,0 +1,104 @@
+"""What a valid value of each ``HybridConfig`` field is: its type (read from the field's annotation) and its
+range (the table below). :class:`~hybridlm.config.HybridConfig` applies these to the stack's own fields and to
+the fields of the mixer kinds its layers use (see ``Mixer.config_fields``); every error names the field."""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+
+import torch
+
+from .mixers import invalid_config
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _non_negative(v) -> bool:
+    return v >= 0
+
+
+def _open_unit(v) -> bool:
+    return 0 < v < 1
+
+
+def _closed_unit(v) -> bool:
+    return 0 <= v <= 1
+
+
+_RULES = {
+    _positive: ("must be > 0", (
+        "vocab_size", "hidden_size", "num_hidden_layers", "attn_layer_period", "expert_layer_period",
+        "max_position_embeddings", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+        "sliding_window", "attention_scale", "mamba_d_state", "mamba_d_conv", "mamba_expand", "mamba_dt_rank",
+        "mamba_dt_min", "mamba_dt_max", "mamba_dt_init_floor", "mamba2_d_state", "mamba2_d_conv", "mamba2_expand",
+        "mamba2_head_dim", "mamba2_n_groups", "mamba2_chunk_size", "mamba2_dt_min", "mamba2_dt_max",
+        "mamba2_dt_init_floor", "mamba2_inner_size", "performer_num_features", "performer_redraw_interval",
+        "linformer_rank", "linformer_max_length", "intermediate_size", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "moe_num_groups", "moe_topk_groups", "moe_routed_scaling", "embedding_multiplier",
+        "residual_multiplier", "logits_multiplier", "num_shared_blocks",
+    )),
+    _non_negative: ("must be >= 0", (
+        "attn_layer_offset", "expert_layer_offset", "initializer_range", "router_aux_loss_coef",
+        "shared_expert_intermediate_size", "shared_block_adapter_rank", "pad_token_id", "bos_token_id",
+    )),
+    _open_unit: ("must be in (0, 1)", ("rms_norm_eps", "mamba_dt_norm_eps")),
+    _closed_unit: ("must be in [0, 1]", ("partial_rotary_factor",)),
+}
+RANGES = {name: (test, text) for test, (text, names) in _RULES.items() for name in names}
+
+
+def _describe(hint) -> str:
+    if hint is type(None):
+        return "None"
+    if hint is float:
+        return "a finite number"
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if origin is list:
+        return f"a list of ({_describe(typing.get_args(hint)[0])})"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _matches(value, hint, *, finite: bool = True) -> bool:
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return (isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+                and (math.isfinite(value) or not finite))
+    if hint is str:
+        return isinstance(value, str)
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg, finite=finite) for arg in typing.get_args(hint))
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        return isinstance(value, (list, tuple)) and all(_matches(v, item, finite=finite) for v in value)
+    raise TypeError(f"no type check for annotation {hint!r}")
+
+
+def check_field(name: str, value, hint, *, finite: bool = True) -> None:
+    """Raise naming ``name`` unless ``value`` has the annotated type and lies in the field's range. Floats must
+    be finite (``finite=False``: infinities allowed, NaN never)."""
+    if not _matches(value, hint, finite=finite):
+        raise invalid_config(name, value, f"must be {_describe(hint)}")
+    if name in RANGES and value is not None:
+        test, text = RANGES[name]
+        if not test(value):
+            raise invalid_config(name, value, text)
+
+
+def check_dtype(value) -> None:
+    """``dtype`` (transformers' field): None, a torch dtype, or the name of one (``"bfloat16"``)."""
+    if value is None or isinstance(value, torch.dtype):
+        return
+    if not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
+        raise invalid_config("dtype", value, "must be None, a torch.dtype or its name ('float32', 'bfloat16', ...)")
