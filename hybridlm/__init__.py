@@ -16,6 +16,7 @@ _PUBLIC = {
     "HybridForCausalLM": "model",
     "HybridModel": "model",
     "load": "formats",
+    "bundled_model_dir": "bundled",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -128,6 +128,7 @@ def run(args) -> dict:
     import torch
 
     from .distributed import SingleProcess
+    from .evaluation import HeldOut
     from .loop import train
     from .packing import pack_documents, tokenize_documents
 
@@ -153,18 +154,14 @@ def run(args) -> dict:
         check_resumable(out, model)
     eos = tokenizer.eos_token_id
     rows = pack_documents(tokenize_documents(tokenizer, corpus.train_texts), args.seq_len, eos)
-    held_out_stream = tokenize_documents(tokenizer, corpus.held_out_texts)
-    eval_rows = pack_documents(held_out_stream, args.seq_len, eos)
-    # bytes of the held-out text, each document separator counted as one byte
-    held_out_bytes = sum(len(t.encode("utf-8")) + 1 for t in corpus.held_out_texts)
-    tokens_per_byte = len(held_out_stream) / held_out_bytes
+    held_out = HeldOut.of(tokenizer, corpus.held_out_texts, args.seq_len)
     if parallel.is_main:
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(out)
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, layers {model.config.layer_types}")
         print(f"data: {len(rows)} rows x {args.seq_len} tokens for training ({len(corpus.train)} documents), "
-              f"{len(eval_rows)} held-out rows; {1 / tokens_per_byte:.2f} bytes per token")
-    last = train(model, rows, config, out, eval_rows=eval_rows, tokens_per_byte=tokens_per_byte,
+              f"{len(held_out.rows)} held-out rows; {1 / held_out.tokens_per_byte:.2f} bytes per token")
+    last = train(model, rows, config, out, eval_rows=held_out.rows, tokens_per_byte=held_out.tokens_per_byte,
                  resume=args.resume, parallel=parallel)
     model = parallel.full_model(model)  # FSDP: gather the shards (collective); None on other ranks
     if parallel.is_main:

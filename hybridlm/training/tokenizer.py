@@ -40,3 +40,25 @@ def load_tokenizer(path: str | Path):
         raise ValueError(f"--tokenizer {path}: the tokenizer has no eos_token to separate documents")
     return tokenizer
 
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids 0-255: text in and out for byte-level models saved without a tokenizer."""
+
+    eos_token_id = None
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": list(text.encode("utf-8"))}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+def tokenizer_for(directory: str | Path, vocab_size: int):
+    """The tokenizer saved in ``directory``; else :class:`ByteTokenizer` for a 256-token (byte-level) model;
+    else None."""
+    if Path(directory, "tokenizer.json").is_file() or Path(directory, "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(directory)
+    return ByteTokenizer() if vocab_size == 256 else None

@@ -1,0 +1,62 @@
+"""Copy trained models into the package (hybridlm/bundled_models), weights in bfloat16, and measure them.
+
+    python recipes/bundle_models.py --hybrid runs/hybrid-tiny --attention runs/attention-tiny
+
+Each model is evaluated as shipped (its bfloat16 weights, computed in float32) on all held-out standard-library
+files; the figures and the training summary go to ``eval.json`` beside the weights and are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from hybridlm import HybridForCausalLM
+from hybridlm.bundled import BUNDLED_MODELS, bundled_model_dir
+from hybridlm.training import stdlib_corpus
+from hybridlm.training.evaluation import HeldOut
+
+ROOT = Path(__file__).resolve().parents[1] / "hybridlm" / "bundled_models"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def training_summary(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in rows if "loss" in r]
+    return {"steps": train[-1]["step"], "tokens": train[-1]["tokens"], "train_seconds": train[-1]["elapsed_s"],
+            "final_train_loss": train[-1]["loss"]}
+
+
+def bundle(name: str, run: Path, seq_len: int) -> dict:
+    target = ROOT / BUNDLED_MODELS[name]
+    shutil.rmtree(target, ignore_errors=True)
+    model = HybridForCausalLM.from_pretrained(run, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(target)
+    for file in TOKENIZER_FILES:
+        shutil.copy(run / file, target / file)
+    shipped = HybridForCausalLM.from_pretrained(bundled_model_dir(name), dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    held_out = HeldOut.of(tokenizer, stdlib_corpus().held_out_texts, seq_len)
+    figures = {"model": name, "parameters": sum(p.numel() for p in shipped.parameters()),
+               **held_out.evaluate(shipped, "stream"), **training_summary(run)}
+    (target / "eval.json").write_text(json.dumps(figures, indent=1) + "\n")
+    return figures
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for name in BUNDLED_MODELS:
+        parser.add_argument(f"--{name}", type=Path, required=True, help=f"training output of the {name} model")
+    parser.add_argument("--seq-len", type=int, default=512, help="held-out rows as in training")
+    args = parser.parse_args(argv)
+    for name in BUNDLED_MODELS:
+        print(json.dumps(bundle(name, getattr(args, name), args.seq_len)))
+
+
+if __name__ == "__main__":
+    main()
