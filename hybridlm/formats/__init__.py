@@ -45,7 +45,11 @@ def load_pretrained(cls, path: str | os.PathLike, *args, **kwargs):
     ``from_pretrained`` (every loading argument works), strictly: a missing, unexpected or mis-shaped weight is
     an error naming it. A foreign checkpoint loads as a :class:`~hybridlm.HybridForCausalLM` and takes only
     ``dtype`` and ``device_map``."""
+    from ..config import HybridConfig
+
     directory = resolve_directory(path)  # a hub id is resolved here, once
+    if isinstance(kwargs.get("config"), HybridConfig):  # read already (AutoModel reads it for AutoConfig)
+        return _load_own(cls, directory, {}, args, kwargs)
     # read_config names a missing config.json (transformers would build a default, randomly initialised model)
     config_dict = read_config(directory)
     if is_own(config_dict):

@@ -74,6 +74,18 @@ def test_truncated_safetensors(checkpoint, tmp_path):
     assert "model.safetensors" in message and "truncated" in message
 
 
+def test_truncated_safetensors_of_hybridlms_own_format_names_the_file(tmp_path):
+    from tests.helpers import tiny_model
+
+    tiny_model(layer_pattern="SA").save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size - 100])
+    for load in (hybridlm.load, hybridlm.HybridForCausalLM.from_pretrained):
+        with pytest.raises(ValueError, match="truncated") as error:
+            load(tmp_path)
+        assert str(weights) in str(error.value)
+
+
 def test_directory_without_config(checkpoint, tmp_path):
     directory = copy_of(checkpoint, tmp_path)
     (directory / "config.json").unlink()
