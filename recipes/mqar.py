@@ -1,0 +1,224 @@
+"""MQAR, the multi-query associative recall benchmark (Zoology): where recall breaks, mixer by mixer.
+
+    python recipes/mqar.py --quick --out runs/mqar-quick            # the reduced grid (see QUICK)
+    python recipes/mqar.py --out runs/mqar --workers 2              # the full grid (see FULL)
+    python recipes/mqar.py --out runs/mqar --mixers attention hybrid-1:3 --cells 256:32 --widths 128
+
+Every (mixer, width, state size, cell) is trained at each learning rate of ``--lrs`` on fresh MQAR rows with the
+loop of :mod:`hybridlm.training` and scored on held-out rows; the best learning rate is kept, as Zoology does.
+``OUT/results.json`` gets one object per model and cell (written as they finish, so ``--resume`` continues a run
+that was stopped), ``OUT/mqar.png`` plots accuracy against state bytes per sequence, and a table is printed.
+The data and the models are described in :mod:`hybridlm.training.mqar`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+from hybridlm.training.mqar import MIXER_PATTERNS
+
+FULL = dict(mixers=list(MIXER_PATTERNS), widths=[64, 128], state_sizes=[16, 64],
+            cells=["64:4", "128:8", "256:16", "256:32", "512:64"], lrs=[1e-3, 3e-3, 1e-2], steps=1500)
+# Two cells, width 64: at (128, 16) the fixed states of size 16 are too small for the pairs, attention's is not.
+QUICK = dict(mixers=["attention", "mamba2", "performer", "linformer", "hybrid-1:3"], widths=[64],
+             state_sizes=[16], cells=["64:4", "128:16"], lrs=[3e-3], steps=600)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add("--out", type=Path, required=True, help="output directory (results.json, mqar.png, runs/)")
+    add("--quick", action="store_true", help="the reduced grid QUICK instead of FULL (options below override it)")
+    add("--mixers", nargs="+", choices=list(MIXER_PATTERNS), help="models, see MIXER_PATTERNS")
+    add("--widths", nargs="+", type=int, help="hidden sizes")
+    add("--state-sizes", nargs="+", type=int, help="state dimension of the fixed-state mixers")
+    add("--cells", nargs="+", help="SEQ_LEN:KV_PAIRS grid cells")
+    add("--lrs", nargs="+", type=float, help="learning rates tried per model and cell; the best is kept")
+    add("--steps", type=int, help="optimizer steps per training run")
+    add("--batch-size", type=int, default=32, help="(default: %(default)s)")
+    add("--train-rows", type=int, default=16384, help="training rows per cell (default: %(default)s)")
+    add("--test-rows", type=int, default=1000, help="held-out rows per cell (default: %(default)s)")
+    add("--vocab-size", type=int, default=8192, help="(default: %(default)s, as in Zoology)")
+    add("--workers", type=int, default=1, help="training runs in parallel, one thread each (default: %(default)s)")
+    add("--resume", action="store_true", help="keep the rows already in OUT/results.json and run the rest")
+    add("--seed", type=int, default=0, help="(default: %(default)s)")
+    args = parser.parse_args(argv)
+    for name, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.cells = [_cell(text) for text in args.cells]
+    return args
+
+
+def _cell(text: str) -> tuple[int, int]:
+    try:
+        seq_len, kv_pairs = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise SystemExit(f"--cells: {text!r} is not SEQ_LEN:KV_PAIRS") from None
+    return seq_len, kv_pairs
+
+
+def grid(args) -> list[dict]:
+    """One job per (cell, mixer, width, state size, learning rate); attention has no state size."""
+    jobs = []
+    for seq_len, kv_pairs in args.cells:
+        for mixer in args.mixers:
+            for width in args.widths:
+                for state_size in [None] if mixer == "attention" else args.state_sizes:
+                    for lr in args.lrs:
+                        jobs.append(dict(mixer=mixer, hidden_size=width, state_size=state_size, seq_len=seq_len,
+                                         kv_pairs=kv_pairs, lr=lr))
+    return jobs
+
+
+def model_key(row: dict) -> tuple:
+    return tuple(row[k] for k in ("mixer", "hidden_size", "state_size", "seq_len", "kv_pairs"))
+
+
+@functools.lru_cache(maxsize=1)
+def cell_rows(seq_len: int, kv_pairs: int, vocab_size: int, train_rows: int, test_rows: int, seed: int):
+    """The training and held-out rows of a cell (the jobs of a cell come one after another: made once)."""
+    from hybridlm.training.mqar import mqar_rows
+
+    return (mqar_rows(train_rows, seq_len, kv_pairs, vocab_size, seed=seed * 2 + 1),
+            mqar_rows(test_rows, seq_len, kv_pairs, vocab_size, seed=seed * 2 + 2))
+
+
+def run_job(job: dict, args) -> dict:
+    """Train one model at one learning rate on one cell; its accuracy on the held-out rows and its sizes."""
+    import torch
+
+    from hybridlm import HybridForCausalLM
+    from hybridlm.training import TrainConfig, train
+    from hybridlm.training.checkpoint import CHECKPOINT_DIR
+    from hybridlm.training.mqar import answer_accuracy, answer_losses, mqar_config, state_bytes_per_sequence
+
+    torch.set_num_threads(1)
+    seq_len, kv_pairs = job["seq_len"], job["kv_pairs"]
+    train_rows, test_rows = cell_rows(seq_len, kv_pairs, args.vocab_size, args.train_rows, args.test_rows,
+                                      args.seed)
+    config = mqar_config(job["mixer"], job["hidden_size"], job["state_size"], seq_len, args.vocab_size)
+    torch.manual_seed(args.seed)
+    model = HybridForCausalLM(config)
+    name = "-".join(str(job[k]) for k in ("mixer", "hidden_size", "state_size", "seq_len", "kv_pairs", "lr"))
+    out = args.out / "runs" / name.replace(":", "_")
+    started, cpu = time.perf_counter(), time.process_time()
+    last = train(model, train_rows, TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=job["lr"],
+                                                warmup=args.steps // 10, log_every=50, eval_every=args.steps,
+                                                save_every=args.steps, seed=args.seed),
+                 out, losses=answer_losses)
+    shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)  # thousands of small runs: keep metrics only
+    return dict(job, layer_types=list(config.layer_types), accuracy=answer_accuracy(model, test_rows),
+                final_loss=last["loss"], state_bytes_per_sequence=state_bytes_per_sequence(model, seq_len),
+                parameters=sum(p.numel() for p in model.parameters()), steps=args.steps,
+                batch_size=args.batch_size, train_rows=args.train_rows, test_rows=args.test_rows,
+                train_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)
+
+
+def _run_all(jobs: list[dict], args):
+    """Yield each job's result in order: in this process with one worker, else in a pool of processes."""
+    if args.workers == 1:
+        yield from (run_job(job, args) for job in jobs)
+        return
+    with ProcessPoolExecutor(args.workers) as pool:
+        futures = [pool.submit(run_job, job, args) for job in jobs]
+        yield from (future.result() for future in futures)
+
+
+def best_per_model(runs: list[dict]) -> list[dict]:
+    """One row per model and cell: the run of the learning rate with the best accuracy, with every lr's."""
+    best: dict[tuple, dict] = {}
+    for run in runs:
+        key = model_key(run)
+        tried = {**best[key]["accuracy_by_lr"], str(run["lr"]): run["accuracy"]} if key in best else \
+            {str(run["lr"]): run["accuracy"]}
+        if key not in best or run["accuracy"] > best[key]["accuracy"]:
+            best[key] = dict(run)
+        best[key]["accuracy_by_lr"] = tried
+    return list(best.values())
+
+
+def table(rows: list[dict]) -> str:
+    head = f"{'seq':>4} {'kv':>3} {'mixer':<14} {'layers':<7} {'width':>5} {'state':>5} {'state bytes':>11} " \
+           f"{'lr':>7} {'accuracy':>8}"
+    lines = [head, "-" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["seq_len"], r["kv_pairs"], r["mixer"], r["hidden_size"],
+                                         r["state_size"] or 0)):
+        letters = "".join(t[0].upper() if t != "mamba2" else "S" for t in r["layer_types"])
+        lines.append(f"{r['seq_len']:>4} {r['kv_pairs']:>3} {r['mixer']:<14} {letters:<7} {r['hidden_size']:>5} "
+                     f"{r['state_size'] or '-':>5} {r['state_bytes_per_sequence']:>11,} {r['lr']:>7.0e} "
+                     f"{r['accuracy']:>8.3f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> bool:
+    """Accuracy against state bytes per sequence, one panel per cell, one colour per mixer; False (nothing
+    written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    cells = sorted({(r["seq_len"], r["kv_pairs"]) for r in rows})
+    mixers = [m for m in MIXER_PATTERNS if any(r["mixer"] == m for r in rows)]
+    colours = dict(zip(mixers, plt.get_cmap("tab10").colors))
+    fig, axes = plt.subplots(1, len(cells), figsize=(4 * len(cells), 3.6), squeeze=False, sharey=True)
+    for ax, (seq_len, kv_pairs) in zip(axes[0], cells):
+        for mixer in mixers:
+            points = sorted((r["state_bytes_per_sequence"], r["accuracy"]) for r in rows
+                            if r["mixer"] == mixer and (r["seq_len"], r["kv_pairs"]) == (seq_len, kv_pairs))
+            if points:
+                ax.plot(*zip(*points), "o", color=colours[mixer], label=mixer, alpha=0.8)
+        ax.set_xscale("log")
+        ax.set_title(f"seq_len {seq_len}, {kv_pairs} key-value pairs")
+        ax.set_xlabel("state bytes per sequence")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("MQAR accuracy")
+    axes[0][0].set_ylim(-0.02, 1.02)
+    axes[0][-1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    from hybridlm.training.mqar import check_mqar_shape
+
+    for seq_len, kv_pairs in args.cells:
+        check_mqar_shape(args.vocab_size, seq_len, kv_pairs)  # bad input fails before any training
+    results = args.out / "runs.json"
+    if (args.out / "results.json").exists() and not args.resume:
+        raise SystemExit(f"{args.out}/results.json exists: pass --resume to continue that run, or another --out")
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = json.loads(results.read_text()) if args.resume and results.exists() else []
+    done = {model_key(r) + (r["lr"],) for r in runs}
+    jobs = [job for job in grid(args) if model_key(job) + (job["lr"],) not in done]
+    print(f"{len(jobs)} training runs ({len(done)} already done)", flush=True)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # many short runs: one line each instead of progress bars
+    for run in _run_all(jobs, args):
+        runs.append(run)
+        print(f"{run['mixer']:<14} width {run['hidden_size']:>3} state {run['state_size'] or '-':>3} "
+              f"({run['seq_len']}, {run['kv_pairs']}) lr {run['lr']:.0e}: accuracy {run['accuracy']:.3f} "
+              f"({run['cpu_s']:.0f} cpu s)", flush=True)
+        results.write_text(json.dumps(runs, indent=1))
+        (args.out / "results.json").write_text(json.dumps(best_per_model(runs), indent=1))
+    rows = best_per_model(runs)
+    print(table(rows))
+    if plot(rows, args.out / "mqar.png"):
+        print(f"plot: {args.out / 'mqar.png'}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

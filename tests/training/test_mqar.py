@@ -1,0 +1,140 @@
+"""MQAR: the generator's rows, its refusals, the answer-only loss against the full one, state bytes, and the
+recipe end to end (attention must learn recall)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import hybridlm.training.mqar as mqar
+from hybridlm import HybridForCausalLM
+from hybridlm.training.loop import token_losses
+
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "mqar.py"
+
+
+def test_rows_hold_pairs_then_each_key_queried_once_with_its_value():
+    vocab, seq_len, kv_pairs = 64, 48, 6
+    rows = mqar.mqar_rows(200, seq_len, kv_pairs, vocab, seed=3)
+    assert rows.ids.shape == rows.labels.shape == (200, seq_len) and len(rows) == 200
+    assert int(rows.ids.min()) >= 0 and int(rows.ids.max()) < vocab
+    context = 2 * kv_pairs
+    for ids, labels in zip(rows.ids.tolist(), rows.labels.tolist()):
+        keys, values = ids[0:context:2], ids[1:context:2]
+        assert all(1 <= k < vocab // 2 for k in keys) and len(set(keys)) == kv_pairs
+        assert all(vocab // 2 <= v < vocab for v in values) and len(set(values)) == kv_pairs
+        answers = [t for t, label in enumerate(labels) if label != mqar.IGNORE]
+        assert len(answers) == kv_pairs
+        queried = []
+        for t in answers:
+            assert t > context and (t - context) % 2 == 1  # the answer follows its query at context + 2 g
+            assert ids[t - 1] in keys and labels[t] == ids[t] == values[keys.index(ids[t - 1])]
+            queried.append(ids[t - 1])
+        assert sorted(queried) == sorted(keys)
+
+
+def test_query_gaps_follow_the_zoology_power_law():
+    slots, power_a = 30, 0.01
+    zoology = power_a * np.arange(1, slots + 1, dtype=np.float64) ** (power_a - 1)  # Zoology's formula
+    expected = zoology / zoology.sum()
+    assert np.allclose(mqar.query_gap_probabilities(slots, power_a).numpy(), expected, rtol=1e-12)
+    assert expected[0] > 10 * expected[-1]  # not uniform: the test below could not pass by accident
+    # With one pair, the gap is a single draw from the distribution.
+    rows = mqar.mqar_rows(20000, 2 + 2 * slots, 1, 64, power_a=power_a, seed=0)
+    answer = (rows.labels != mqar.IGNORE).int().argmax(1)
+    gaps = (answer - 3) // 2
+    observed = torch.bincount(gaps, minlength=slots).double().numpy() / len(gaps)
+    assert 0.5 * np.abs(observed - expected).sum() < 0.02  # total variation distance
+
+
+def test_rows_are_a_function_of_the_seed():
+    a, b, c = (mqar.mqar_rows(8, 64, 4, seed=s) for s in (1, 1, 2))
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.labels, b.labels)
+    assert not torch.equal(a.ids, c.ids)
+
+
+@pytest.mark.parametrize("vocab_size, seq_len, kv_pairs, field", [
+    (8192, 63, 16, "kv_pairs"),  # 16 pairs and their queries need 64 tokens
+    (8192, 64, 0, "kv_pairs"),
+    (16, 64, 8, "vocab_size"),  # keys are [1, 8): only 7
+    (8192, 64.0, 4, "seq_len"),
+])
+def test_bad_shapes_are_refused_naming_the_argument(vocab_size, seq_len, kv_pairs, field):
+    with pytest.raises(ValueError, match=field):
+        mqar.check_mqar_shape(vocab_size, seq_len, kv_pairs)
+    with pytest.raises(ValueError, match=field):
+        mqar.mqar_rows(2, seq_len, kv_pairs, vocab_size)
+
+
+def test_bad_model_choices_are_refused():
+    with pytest.raises(ValueError, match="mixer"):
+        mqar.mqar_config("transformer", 64, None, 64)
+    with pytest.raises(ValueError, match="state_size"):
+        mqar.mqar_config("mamba2", 64, None, 64)
+    with pytest.raises(ValueError, match="state_size"):
+        mqar.mqar_config("attention", 64, 16, 64)
+
+
+def test_answer_loss_and_accuracy_equal_the_full_logits_reference():
+    torch.manual_seed(0)
+    model = HybridForCausalLM(mqar.mqar_config("hybrid-1:1", 32, 8, 32, vocab_size=128)).eval()
+    rows = mqar.mqar_rows(6, 32, 4, 128, seed=1)
+    batch = rows.batch(torch.arange(6), "stream")
+    with torch.no_grad():
+        reference, count, _ = token_losses(model, batch)  # cross-entropy over every position, -100 ignored
+        fast, fast_count, _ = mqar.answer_losses(model, batch)
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+    assert count == fast_count == 24 and float(reference) > 1.0
+    torch.testing.assert_close(fast, reference, rtol=1e-5, atol=1e-5)
+    targets = batch["labels"][:, 1:]
+    answered = targets != mqar.IGNORE
+    expected = float((logits.argmax(-1) == targets)[answered].float().mean())
+    assert mqar.answer_accuracy(model, rows, batch_size=4) == pytest.approx(expected)
+
+
+def test_state_bytes_grow_with_length_for_attention_only():
+    torch.manual_seed(0)
+    attention = HybridForCausalLM(mqar.mqar_config("attention", 64, None, 128, vocab_size=128))
+    # 2 layers x (keys + values) x seq_len x 64 channels x 4 bytes, plus each layer's length and the cache's
+    # position counter (int64)
+    assert mqar.state_bytes_per_sequence(attention, 128) == 2 * 2 * 128 * 64 * 4 + 2 * 8 + 8
+    assert mqar.state_bytes_per_sequence(attention, 64) == 2 * 2 * 64 * 64 * 4 + 2 * 8 + 8
+    mamba2 = HybridForCausalLM(mqar.mqar_config("mamba2", 64, 16, 128, vocab_size=128))
+    short, long = mqar.state_bytes_per_sequence(mamba2, 32), mqar.state_bytes_per_sequence(mamba2, 128)
+    # per layer: the SSM state (128 channels x 16) and the conv window (3 x (128 + 2 x 16)), fp32
+    assert short == long == 2 * (128 * 16 + 3 * (128 + 2 * 16)) * 4 + 8
+    assert set(mqar.MIXER_PATTERNS) >= {"attention", "mamba", "mamba2", "performer", "linformer", "hybrid-1:1",
+                                    "hybrid-1:3"}
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("mqar_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_recipe_attention_learns_recall(tmp_path):
+    recipe = _recipe()
+    argv = ["--out", str(tmp_path), "--mixers", "attention", "--widths", "64", "--cells", "64:4", "--lrs", "3e-3",
+            "--steps", "300", "--train-rows", "4096", "--test-rows", "256"]
+    rows = recipe.main(argv)
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved == rows and len(rows) == 1
+    row = rows[0]
+    assert {"mixer", "layer_types", "hidden_size", "state_size", "seq_len", "kv_pairs", "accuracy",
+            "mqar.state_bytes_per_sequence"} <= set(row)
+    assert row["layer_types"] == ["attention", "attention"] and row["state_size"] is None
+    assert row["accuracy"] > 0.9, row  # chance is 1 / 4096
+    with pytest.raises(SystemExit, match="--resume"):
+        recipe.main(argv)  # nothing is overwritten without --resume
+    assert recipe.main(argv + ["--resume"]) == rows  # every run is done: nothing trains again
+
+
+def test_recipe_refuses_cells_that_do_not_fit(tmp_path):
+    with pytest.raises(ValueError, match="kv_pairs"):
+        _recipe().main(["--out", str(tmp_path), "--cells", "64:32"])
+    assert not (tmp_path / "results.json").exists()
