@@ -107,6 +107,8 @@ class HybridConfig(PreTrainedConfig):
     sliding_window: int | None = None
     attention_bias: bool = False
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attention_qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (LFM2, Qwen3-Next)
+    attention_output_gate: bool = False  # o_proj(attention * sigmoid(gate_proj(x))) (Qwen3-Next)
 
     # --- Mamba-1 (selective scan, the Jamba mixer) ---------------------------------------------
     mamba_d_state: int = 16
@@ -145,6 +147,16 @@ class HybridConfig(PreTrainedConfig):
     linformer_max_length: int = 4096
     linformer_causal: bool = True
 
+    # --- Gated DeltaNet (Qwen3-Next) and LFM2's gated short convolution -------------------------
+    deltanet_num_key_heads: int = 4
+    deltanet_num_value_heads: int | None = None  # None: deltanet_num_key_heads; else a multiple of it
+    deltanet_key_head_dim: int = 64
+    deltanet_value_head_dim: int = 64
+    deltanet_conv_size: int = 4
+    deltanet_chunk_size: int = 64
+    short_conv_size: int = 3
+    short_conv_bias: bool = False
+
     # --- MLP / MoE --------------------------------------------------------------------------
     intermediate_size: int | None = None
     mlp_activation: str = "silu"
@@ -157,6 +169,7 @@ class HybridConfig(PreTrainedConfig):
     moe_num_groups: int = 1
     moe_topk_groups: int = 1
     moe_routed_scaling: float = 1.0  # the routed experts' weights are multiplied by this
+    moe_shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(a linear gate) (Qwen3-Next)
     router_aux_loss_coef: float = 0.001
 
     # --- scalar multipliers (Granite, Falcon-H1) -------------------------------------------------
@@ -298,6 +311,8 @@ class HybridConfig(PreTrainedConfig):
             self.mamba2_dt_limit = [float(v) if isinstance(v, (int, float)) else v for v in self.mamba2_dt_limit]
         if self.mamba_dt_norm_eps is None:
             self.mamba_dt_norm_eps = self.rms_norm_eps
+        if self.deltanet_num_value_heads is None:
+            self.deltanet_num_value_heads = self.deltanet_num_key_heads
 
     # --- settings that must agree with each other -------------------------------------------------
 

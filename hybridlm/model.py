@@ -65,7 +65,8 @@ class HybridBlock(GradientCheckpointingLayer):
             self.mlp = MoE(hidden, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
                            config.mlp_activation, config.moe_renormalize, config.shared_expert_intermediate_size,
                            router=config.moe_router, num_groups=config.moe_num_groups,
-                           topk_groups=config.moe_topk_groups, routed_scaling=config.moe_routed_scaling)
+                           topk_groups=config.moe_topk_groups, routed_scaling=config.moe_routed_scaling,
+                           shared_expert_gate=config.moe_shared_expert_gate)
         if self.mlp_type != "none":
             self.pre_mlp_layernorm = RMSNorm(hidden, eps)
 

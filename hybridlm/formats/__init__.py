@@ -14,7 +14,19 @@ from pathlib import Path
 import torch
 
 # Each format module registers its format on import.
-from . import bamba, falcon_h1, granitemoehybrid, jamba, mamba, mamba2, mamba_ssm, nemotron_h, zamba2  # noqa: F401
+from . import (  # noqa: F401
+    bamba,
+    falcon_h1,
+    granitemoehybrid,
+    jamba,
+    lfm2,
+    mamba,
+    mamba2,
+    mamba_ssm,
+    nemotron_h,
+    qwen3_next,
+    zamba2,
+)
 from .base import (
     FORMATS,
     CheckpointFormat,

@@ -89,7 +89,8 @@ def to_hybrid_config(config_dict: dict) -> HybridConfig:
 EXPORT_OPTIONS = {
     "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_multiplier": 1.0, "attention_scale": None,
     "mamba2_inner_size": None, "mamba2_norm": "gated", "moe_router": "softmax", "moe_routed_scaling": 1.0,
-    "shared_block_layers": None,
+    "shared_block_layers": None, "attention_qk_norm": False, "attention_output_gate": False,
+    "moe_shared_expert_gate": False,
 }
 
 

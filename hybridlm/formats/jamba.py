@@ -75,7 +75,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
     )
 
 
-def _unfuse_experts(state: StateDict) -> StateDict:
+def unfuse_experts(state: StateDict) -> StateDict:
     """Per-expert tensors from the fused layout (``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H,
     I]``) that transformers keeps in memory; checkpoints written by ``save_pretrained`` are already per expert."""
     for name in [n for n in state if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]:
@@ -86,7 +86,7 @@ def _unfuse_experts(state: StateDict) -> StateDict:
 
 
 def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
-    return rename_state(_unfuse_experts(state), decoder_rules(config))
+    return rename_state(unfuse_experts(state), decoder_rules(config))
 
 
 def from_config(config: HybridConfig) -> dict:

@@ -51,7 +51,8 @@ class MoE(nn.Module):
     sigmoid scores; the top-k are chosen by score plus ``expert_bias`` (a buffer, for balancing without an
     auxiliary loss), among the experts of the ``topk_groups`` best of ``num_groups`` groups (a group ranks by
     the sum of its two best biased scores); the weights are the unbiased scores. Either way the weights are
-    optionally renormalised to sum to one, then multiplied by ``routed_scaling``.
+    optionally renormalised to sum to one, then multiplied by ``routed_scaling``. With ``shared_expert_gate``
+    the shared expert's output is scaled per token by ``sigmoid(shared_expert_gate(x))`` (Qwen3-Next).
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class MoE(nn.Module):
         num_groups: int = 1,
         topk_groups: int = 1,
         routed_scaling: float = 1.0,
+        shared_expert_gate: bool = False,
     ):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
@@ -82,6 +84,9 @@ class MoE(nn.Module):
         self.shared_expert = (
             MLP(hidden_size, shared_intermediate_size, activation) if shared_intermediate_size else None
         )
+        if shared_expert_gate and not shared_intermediate_size:
+            raise ValueError("MoE: shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [tokens, E], weights [tokens, k], chosen [tokens, k])``; ``probs`` sum to one per token (the
@@ -118,7 +123,10 @@ class MoE(nn.Module):
             if rows.numel():
                 out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None])
         if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         real = mask.reshape(-1) if mask is not None else slice(None)
         aux = load_balancing_loss(probs[real], chosen[real], len(self.experts))
         return out.view_as(x), aux

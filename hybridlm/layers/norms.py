@@ -7,6 +7,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32, or kept in fp64: the precision norms and gates compute in (never lower than the model's)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     """``weight * x / rms(x)``, computed in fp32 and cast back (as Llama, Mamba and Jamba do).
 
@@ -19,7 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = at_least_fp32(x)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return x.to(dtype) if self.weight is None else self.weight * x.to(dtype)
 
@@ -39,11 +44,11 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = at_least_fp32(x)
         if gate is not None and not self.norm_before_gate:
-            x = x * F.silu(gate.float())
+            x = x * F.silu(at_least_fp32(gate))
         grouped = x.unflatten(-1, (-1, self.group_size))
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
         if gate is not None and self.norm_before_gate:
-            return (self.weight * grouped.flatten(-2) * F.silu(gate.float())).to(dtype)
+            return (self.weight * grouped.flatten(-2) * F.silu(at_least_fp32(gate))).to(dtype)
         return self.weight * grouped.flatten(-2).to(dtype)

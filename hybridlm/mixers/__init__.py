@@ -1,6 +1,14 @@
 """Sequence mixers behind one contract (see :mod:`hybridlm.mixers.base`), registered by name."""
 
-from . import attention, linformer, mamba, mamba2, performer  # noqa: F401  (each registers itself)
+from . import (  # noqa: F401  (each registers itself)
+    attention,
+    gated_deltanet,
+    linformer,
+    mamba,
+    mamba2,
+    performer,
+    short_conv,
+)
 from .base import MIXERS, Mixer, invalid_config, register
 from .parallel import ParallelMixer, build_mixer, mixer_class, mixer_parts
 

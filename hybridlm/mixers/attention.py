@@ -7,6 +7,7 @@ from torch import nn
 
 from .. import ops
 from ..cache import KVState
+from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
 
@@ -22,7 +23,8 @@ class Attention(Mixer):
 
     pattern_letter = "A"
     config_fields = HEAD_LAYOUT_FIELDS + ("num_key_value_heads", "rope_theta", "partial_rotary_factor",
-                                          "sliding_window", "attention_scale")
+                                          "sliding_window", "attention_scale", "attention_qk_norm",
+                                          "attention_output_gate")
     state_fields = ("sliding_window", "rope_theta", "partial_rotary_factor")  # keys are kept rotated
     causal = True
     grows_with_context = True
@@ -51,6 +53,12 @@ class Attention(Mixer):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         rotary_dim = int(self.head_dim * config.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta) if rotary_dim else None
+        if config.attention_qk_norm:  # RMSNorm of each query and key head before RoPE (LFM2, Qwen3-Next)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # output gate: o_proj(attention * sigmoid(gate_proj(x))) (Qwen3-Next)
+        self.gate_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias) \
+            if config.attention_output_gate else None
 
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> KVState:
         """Preallocates ``max_length`` slots when given (a sliding window keeps ``window - 1`` at most)."""
@@ -59,16 +67,21 @@ class Attention(Mixer):
                              device=device, dtype=dtype)
 
     def forward(self, x, state: KVState | None = None, *, mask=None, positions=None):
-        return self.attend(*self.project(x), state, mask=mask, positions=positions)
+        gate = self.gate_proj(x) if self.gate_proj is not None else None
+        return self.attend(*self.project(x), state, mask=mask, positions=positions, gate=gate)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values ``[batch, time, heads * head_dim]`` of ``x``."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def attend(self, q, k, v, state: KVState | None = None, *, mask=None, positions=None) -> torch.Tensor:
-        """Attention of projected ``q, k, v`` (see :meth:`project`), through ``o_proj``."""
+    def attend(self, q, k, v, state: KVState | None = None, *, mask=None, positions=None,
+               gate=None) -> torch.Tensor:
+        """Attention of projected ``q, k, v`` (see :meth:`project`), through ``o_proj``. ``gate [batch, time,
+        heads * head_dim]``: the output gate's pre-activation (with ``attention_output_gate``)."""
         batch, time, _ = q.shape
         q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         first = state.end if state is not None else 0  # slot of the first new token
         if self.rotary is not None:
             if positions is None:
@@ -93,7 +106,8 @@ class Attention(Mixer):
                 state.padding = state.padding + (~mask).sum(-1)
                 state.has_padding = True
             state.trim_to_window()
-        return self.o_proj(out.transpose(1, 2).reshape(batch, time, -1))
+        out = out.transpose(1, 2).reshape(batch, time, -1)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
     def _allowed(self, time, first, key_start, n_keys, cached_padding, mask, device) -> torch.Tensor:
         """Boolean ``[batch, 1, time, n_keys]``: causal, inside the window, and not a padded key."""

@@ -17,15 +17,15 @@ from torch import nn
 from .. import ops
 from ..cache import SSMState
 from ..layers.conv import ShortConv
-from ..layers.norms import GatedRMSNorm
+from ..layers.norms import GatedRMSNorm, at_least_fp32
 from .base import Mixer, invalid_config, register, zero_padding
 
 L2_EPS = 1e-6  # as fla and transformers: x / sqrt(sum(x^2) + eps)
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """``x / sqrt(|x|^2 + 1e-6)`` over the last dim, in fp32."""
-    x = x.float()
+    """``x / sqrt(|x|^2 + 1e-6)`` over the last dim, in fp32 (fp64 for fp64 input)."""
+    x = at_least_fp32(x)
     return x * torch.rsqrt(x.square().sum(-1, keepdim=True) + L2_EPS)
 
 
@@ -72,7 +72,8 @@ class GatedDeltaNet(Mixer):
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> SSMState:
         return SSMState(
             conv=self.conv1d.init_window(batch_size, device, dtype),
-            ssm=torch.zeros(batch_size, self.heads, self.dim_k, self.dim_v, device=device, dtype=torch.float32),
+            ssm=torch.zeros(batch_size, self.heads, self.dim_k, self.dim_v, device=device,
+                            dtype=torch.promote_types(dtype or torch.float32, torch.float32)),  # fp32, or fp64
         )
 
     def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None):
@@ -84,8 +85,9 @@ class GatedDeltaNet(Mixer):
         q = l2_normalize(q.view(batch, time, self.key_heads, self.dim_k))  # [batch, time, key_heads, dim_k]
         k = l2_normalize(k.view(batch, time, self.key_heads, self.dim_k))
         v = v.reshape(batch, time, self.heads, self.dim_v)
-        beta = zero_padding(torch.sigmoid(b.float()), mask)  # beta = 0 and g = 0: a padded token changes nothing
-        log_gate = zero_padding(-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()), mask)
+        beta = zero_padding(torch.sigmoid(at_least_fp32(b)), mask)  # beta = g = 0: a padded token changes nothing
+        decay_rate = at_least_fp32(self.A_log).exp()  # [heads]
+        log_gate = zero_padding(-decay_rate * F.softplus(at_least_fp32(a) + self.dt_bias), mask)
         if state is not None and time == 1:
             o = ops.gated_delta_rule_step(state.ssm, q[:, 0], k[:, 0], v[:, 0], log_gate[:, 0], beta[:, 0])
             o = o.unsqueeze(1)  # [batch, 1, heads, dim_v]

@@ -1,0 +1,120 @@
+"""LFM2 (Liquid AI): gated short convolutions (``short_conv``) and GQA attention with RMS-normed query and key
+heads, each layer followed by a SwiGLU MLP. Read and written.
+
+Names: ``operator_norm`` / ``ffn_norm`` are the pre-mixer and pre-MLP norms, ``embedding_norm`` the final norm
+(despite its name), ``feed_forward.w1 / w3 / w2`` the gate / up / down projections. The MLP width a config
+states is adjusted by transformers (``block_auto_adjust_ff_dim``); the width built is what hybridlm reads.
+"""
+
+from __future__ import annotations
+
+from ..config import HybridConfig
+from .base import (
+    ATTENTION_FIELDS,
+    COMMON_FIELDS,
+    CheckpointFormat,
+    FieldMap,
+    RenameRules,
+    StateDict,
+    check_expressible,
+    differences,
+    layer_rules,
+    positions,
+    register,
+    rename_state,
+    rope_settings,
+    same_names,
+    with_transformers_defaults,
+)
+
+FIELDS = FieldMap({**COMMON_FIELDS, **ATTENTION_FIELDS, **same_names("num_hidden_layers", "tie_word_embeddings"),
+                   "norm_eps": "rms_norm_eps", "conv_L_cache": "short_conv_size", "conv_bias": "short_conv_bias"})
+LAYER_KINDS = {"full_attention": "attention", "conv": "short_conv"}
+
+
+def decoder_rules(config: HybridConfig) -> RenameRules:
+    """LFM2's names against ours (the first matching rule wins, in both directions)."""
+    layer = "model.layers.{i}"
+    return RenameRules([
+        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("model.embedding_norm.weight", "model.norm.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+        (f"{layer}.operator_norm.weight", f"{layer}.input_layernorm.weight"),
+        (f"{layer}.ffn_norm.weight", f"{layer}.pre_mlp_layernorm.weight"),
+        *[(f"{layer}.feed_forward.{theirs}.weight", f"{layer}.mlp.{ours}_proj.weight")
+          for theirs, ours in (("w1", "gate"), ("w3", "up"), ("w2", "down"))],
+        (f"{layer}.self_attn.out_proj.weight", f"{layer}.mixer.o_proj.weight"),
+        (f"{layer}.self_attn.q_layernorm.weight", f"{layer}.mixer.q_norm.weight"),
+        (f"{layer}.self_attn.k_layernorm.weight", f"{layer}.mixer.k_norm.weight"),
+        *layer_rules(config, layer, {"attention": "self_attn", "short_conv": "conv"}),
+    ])
+
+
+def mlp_width(fc: dict) -> int:
+    """The SwiGLU width transformers builds from an LFM2 config."""
+    width = fc["intermediate_size"]
+    if fc["block_auto_adjust_ff_dim"]:
+        width = int(2 * width / 3)
+        if fc["block_ffn_dim_multiplier"] is not None:
+            width = int(fc["block_ffn_dim_multiplier"] * width)
+            width = fc["block_multiple_of"] * -(-width // fc["block_multiple_of"])
+    return width
+
+
+def to_config(foreign_config: dict) -> HybridConfig:
+    fc = with_transformers_defaults(foreign_config)
+    unknown = sorted(set(fc["layer_types"]) - set(LAYER_KINDS))
+    if unknown:
+        raise ValueError(f"lfm2 config: layer_types {unknown} are not supported (hybridlm reads {sorted(LAYER_KINDS)})")
+    return HybridConfig(
+        **FIELDS.to_ours(fc),
+        **rope_settings(fc),
+        layer_types=[LAYER_KINDS[kind] for kind in fc["layer_types"]],
+        mlp_types=["dense"] * fc["num_hidden_layers"],
+        intermediate_size=mlp_width(fc),
+        head_dim=fc["hidden_size"] // fc["num_attention_heads"],
+        attention_qk_norm=True,
+    )
+
+
+def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
+    return rename_state(state, decoder_rules(config))
+
+
+def from_config(config: HybridConfig) -> dict:
+    problems = []
+    other = sorted(set(config.layer_types) - set(LAYER_KINDS.values()))
+    if other:
+        problems.append(f"LFM2 layers are 'attention' or 'short_conv', this model has {other}")
+    if set(config.mlp_types) != {"dense"}:
+        problems.append(f"every LFM2 layer has a dense MLP; layers "
+                        f"{[i for i, k in enumerate(config.mlp_types) if k != 'dense']} do not")
+    problems += differences(config, {"mlp_activation": "silu"})
+    if "attention" in config.layer_types:
+        problems += differences(config, {
+            "attention_qk_norm": True, "attention_output_gate": False, "attention_bias": False,
+            "sliding_window": None, "partial_rotary_factor": 1.0,
+            "head_dim": config.hidden_size // config.num_attention_heads,
+        })
+    check_expressible("lfm2", problems)
+    theirs = {kind: name for name, kind in LAYER_KINDS.items()}
+    return {
+        "model_type": "lfm2",
+        "architectures": ["Lfm2ForCausalLM"],
+        **FIELDS.to_theirs(config),
+        "layer_types": [theirs[kind] for kind in config.layer_types],
+        "full_attn_idxs": positions(config.layer_types, "attention"),
+        "intermediate_size": config.intermediate_size,
+        "block_auto_adjust_ff_dim": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+    }
+
+
+def export_weights(state: StateDict, config: HybridConfig) -> StateDict:
+    return rename_state(state, decoder_rules(config), to_ours=False)
+
+
+FORMAT = register(CheckpointFormat("lfm2", to_config, import_weights, from_config, export_weights,
+                                   options=frozenset({"attention_qk_norm"})))
+
+__all__ = ["FORMAT"]

@@ -1,0 +1,70 @@
+"""LFM2 checkpoints: gated short convolutions and attention with normed query/key heads; loaded exactly and
+exported back to a directory transformers loads as LFM2."""
+
+import pytest
+import transformers
+
+import hybridlm
+
+from .compare import (
+    check_all,
+    check_export_round_trip,
+    check_logits,
+    random_ids,
+    randomize,
+    save_and_load,
+    tiny_transformers_model,
+)
+
+VOCAB = 256
+
+
+def tiny_lfm2(**overrides) -> transformers.Lfm2ForCausalLM:
+    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=144, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"],
+                    block_multiple_of=16, block_ffn_dim_multiplier=1.5, tie_word_embeddings=False, pad_token_id=0)
+    return tiny_transformers_model(transformers.Lfm2ForCausalLM, transformers.Lfm2Config(**{**settings, **overrides}))
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory):
+    hf = tiny_lfm2()
+    directory = tmp_path_factory.mktemp("lfm2")
+    return hf, save_and_load(hf, directory), directory
+
+
+def test_lfm2_runs_like_transformers(lfm2):
+    hf, ours, _ = lfm2
+    assert ours.config.layer_types == ["short_conv", "attention", "short_conv", "short_conv"]
+    assert ours.config.intermediate_size == hf.model.layers[0].feed_forward.w1.out_features == 144
+    check_all(hf, ours, VOCAB)
+
+
+def test_conv_bias_and_tied_embeddings(tmp_path):
+    hf = tiny_lfm2(conv_bias=True, tie_word_embeddings=True, conv_L_cache=4, block_auto_adjust_ff_dim=False)
+    ours = save_and_load(hf, tmp_path)
+    assert ours.config.short_conv_bias and ours.config.tie_word_embeddings and ours.config.short_conv_size == 4
+    check_all(hf, ours, VOCAB)
+
+
+def test_export_round_trip_is_exact(lfm2, tmp_path):
+    _, ours, directory = lfm2
+    check_export_round_trip(ours, directory, tmp_path, "lfm2", transformers.Lfm2ForCausalLM, VOCAB)
+
+
+def test_hybridlm_model_exports_to_lfm2(tmp_path):
+    config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, layer_pattern="CAC", intermediate_size=48,
+                                   num_attention_heads=4, num_key_value_heads=1, attention_qk_norm=True,
+                                   short_conv_size=4)
+    ours = randomize(hybridlm.HybridForCausalLM(config).eval(), seed=3)
+    ours.save_pretrained(tmp_path, format="lfm2")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert back.config.layer_types == ["conv", "full_attention", "conv"]
+    check_logits(back, ours, random_ids(VOCAB, 2, 10))
+
+
+def test_export_refuses_what_lfm2_cannot_hold(tmp_path):
+    config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, layer_pattern="CAS", num_attention_heads=2,
+                                   mamba2_head_dim=8)
+    with pytest.raises(ValueError, match=r"cannot be written as lfm2: .*\['mamba2'\].*attention_qk_norm=False"):
+        hybridlm.HybridForCausalLM(config).save_pretrained(tmp_path, format="lfm2")
