@@ -134,6 +134,15 @@ def _check_mask(mask: torch.Tensor, cache: HybridCache | None) -> None:
         raise ValueError("attention_mask: padding after a row's first real token is not supported with a cache")
 
 
+def _check_input(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    """A model input must be on the model's device and hold at least one row and one token."""
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but the model on {device}: move it with .to({str(device)!r})")
+    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+        raise ValueError(f"{name} must hold at least one row and one token, got shape {tuple(tensor.shape)} "
+                         "[batch, time, ...]")
+
+
 class HybridModel(HybridPreTrainedModel):
     """Embedding (scaled by ``embedding_multiplier``), the stack of :class:`HybridBlock` s, the shared blocks
     applied inside it when ``shared_block_layers`` is set, and the final norm."""
@@ -235,17 +244,26 @@ class HybridModel(HybridPreTrainedModel):
         return HybridModelOutput(last_hidden_state=self.norm(hidden), cache=cache, aux_loss=aux_loss)
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
+        """``[batch, time, hidden]`` from exactly one of the two; each is checked first, so that bad input is an
+        error naming the argument rather than a failure deep inside a mixer."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("HybridModel: pass exactly one of input_ids and inputs_embeds")
+        weight = self.embed_tokens.weight
         if inputs_embeds is not None:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
                 raise ValueError(f"inputs_embeds must be [batch, time, {self.config.hidden_size}], "
                                  f"got {tuple(inputs_embeds.shape)}")
+            if inputs_embeds.dtype != weight.dtype:
+                raise TypeError(f"inputs_embeds is {inputs_embeds.dtype} but the model computes in {weight.dtype}: "
+                                f"convert it with inputs_embeds.to({weight.dtype})")
+            _check_input("inputs_embeds", inputs_embeds, weight.device)
             return inputs_embeds
-        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must hold integer token ids (torch.long), got {input_ids.dtype}")
+        if input_ids.dtype not in (torch.long, torch.int32):
+            raise TypeError(f"input_ids must hold integer token ids as torch.long (or torch.int32), "
+                            f"got {input_ids.dtype}")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
+        _check_input("input_ids", input_ids, weight.device)
         if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
             raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
                              f"[{int(input_ids.min())}, {int(input_ids.max())}]")
@@ -256,6 +274,10 @@ class HybridModel(HybridPreTrainedModel):
     def _check_cache(self, cache, batch: int, dtype: torch.dtype) -> None:
         if not isinstance(cache, HybridCache):
             raise TypeError(f"cache must be a hybridlm HybridCache (from model.new_cache), got {type(cache).__name__}")
+        device = self.embed_tokens.weight.device
+        if cache.positions.device != device:
+            raise ValueError(f"cache is on {cache.positions.device} but the model on {device}: move it with "
+                             f"cache.to({str(device)!r})")
         if cache.signature != self._signature(dtype):
             raise ValueError("cache was built for a different model (its layer kinds or state shapes differ "
                              f"from this model's {self.config.layer_types})")

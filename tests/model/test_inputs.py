@@ -1,0 +1,57 @@
+"""Bad model inputs are an error naming the argument, raised before any mixer runs (never a crash deep inside
+one): empty batch or time, token ids of a type that wraps, embeddings of another dtype, tensors or a cache on
+another device."""
+
+import pytest
+import torch
+
+from ..helpers import tiny_model
+
+HIDDEN = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(layer_pattern="SA", hidden_size=HIDDEN)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 3)], ids=["no tokens", "no rows"])
+def test_empty_input_ids(model, shape):
+    with pytest.raises(ValueError, match=r"input_ids must hold at least one row and one token"):
+        model(torch.zeros(shape, dtype=torch.long))
+
+
+@pytest.mark.parametrize("shape", [(1, 0, HIDDEN), (0, 2, HIDDEN)], ids=["no tokens", "no rows"])
+def test_empty_inputs_embeds(model, shape):
+    with pytest.raises(ValueError, match=r"inputs_embeds must hold at least one row and one token"):
+        model(inputs_embeds=torch.zeros(shape))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.bool, torch.float32])
+def test_token_ids_of_a_type_other_than_long_or_int32(model, dtype):
+    with pytest.raises(TypeError, match=rf"input_ids must hold integer token ids as torch.long .* got {dtype}"):
+        model(torch.tensor([[1, 2, 3]]).to(dtype))
+
+
+def test_int32_ids_give_the_same_logits_as_long(model):
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert expected.abs().max() > 0 and torch.equal(model(ids.int()).logits, expected)
+
+
+def test_inputs_embeds_of_another_dtype(model):
+    with pytest.raises(TypeError, match=r"inputs_embeds is torch.float64 but the model computes in torch.float32"):
+        model(inputs_embeds=torch.randn(1, 3, HIDDEN, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("argument", ["input_ids", "inputs_embeds"])
+def test_inputs_on_another_device(model, argument):
+    value = torch.ones(1, 2, dtype=torch.long) if argument == "input_ids" else torch.zeros(1, 2, HIDDEN)
+    with pytest.raises(ValueError, match=rf"{argument} is on meta but the model on cpu"):
+        model(**{argument: value.to("meta")})
+
+
+def test_cache_on_another_device(model):
+    with pytest.raises(ValueError, match=r"cache is on meta but the model on cpu: move it with cache.to\('cpu'\)"):
+        model(torch.tensor([[1, 2]]), cache=model.new_cache(1, device="meta"))
