@@ -21,18 +21,30 @@ _TINY = dict(
 )
 
 PRESETS: dict[str, dict] = {
-    # Jamba's stack: one attention layer in eight, MoE in every other layer.
+    # Jamba's stack: one attention layer (without RoPE) in eight, MoE in every other layer, dt/B/C norms.
     "jamba-small": dict(_SMALL, layer_pattern="MMMMAMMM", expert_layer_period=2, expert_layer_offset=1,
-                        num_experts=4, num_experts_per_tok=2),
+                        num_experts=4, num_experts_per_tok=2, mamba_dt_norm=True, partial_rotary_factor=0.0),
     "attention-small": dict(_SMALL, layer_pattern="AAAAAAAA"),
     "mamba-small": dict(_SMALL, layer_pattern="MMMMMMMM"),
     "mamba2-small": dict(_SMALL, layer_pattern="SSSSSSSS"),
     "hybrid2-small": dict(_SMALL, layer_pattern="SSSSASSS"),
     "performer-small": dict(_SMALL, layer_pattern="PPPPAPPP"),
     "linformer-small": dict(_SMALL, layer_pattern="LLLLALLL"),
+    # One preset per writable foreign format (FORMAT_PRESETS): each exports with save_pretrained(format=...).
+    "bamba-small": dict(_SMALL, layer_pattern="SSSASSSA"),
+    "mamba2-lm-small": dict(_SMALL, layer_pattern="SSSSSSSS", mlp_types=["none"] * 8),
+    "nemotron-h-small": dict(_SMALL, layer_types=["mamba2", "none", "mamba2", "none", "attention", "none", "mamba2",
+                                                  "none"],
+                             mlp_types=["none", "dense"] * 4, partial_rotary_factor=0.0, mlp_activation="relu2",
+                             mamba2_dt_limit=[0.001, float("inf")]),  # Nemotron-H clamps dt at time_step_min
     "hybrid-tiny": dict(_TINY, layer_pattern="SSSASSSA", intermediate_size=384),
     "attention-tiny": dict(_TINY, layer_pattern="AAAAAAAA", intermediate_size=512),
 }
+
+
+#: The preset that each writable foreign format holds (``hybridlm convert --to FORMAT`` accepts it).
+FORMAT_PRESETS = {"jamba": "jamba-small", "bamba": "bamba-small", "mamba2": "mamba2-lm-small",
+                  "nemotron_h": "nemotron-h-small"}
 
 
 def preset(name: str, **overrides) -> HybridConfig:

@@ -140,5 +140,7 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
     state = fmt.export_weights(state, model.config)
     (out / "config.json").write_text(json.dumps(foreign_config, indent=2, sort_keys=True))
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.to_json_file(out / "generation_config.json")
 
 __all__ = ["FORMATS", "CheckpointFormat", "detect", "export", "load", "load_pretrained", "register", "supported"]
