@@ -234,7 +234,7 @@ class HybridModel(HybridPreTrainedModel):
             if i in sites:
                 k = sites[i]
                 site_state = cache.states[len(self.layers) + k] if cache is not None else None
-                injected = self.shared(k, hidden, embeddings, site_state, mask, positions)
+                injected = self.shared(k, hidden, embeddings, site_state, mask, positions, segments)
             hidden, aux = block(hidden, state, mask, positions, injected, segments)
             if aux is not None:
                 aux_losses.append(aux)

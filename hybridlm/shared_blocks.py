@@ -66,12 +66,13 @@ class SharedBlock(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(hidden, eps)
         self.mlp = MLP(hidden, config.intermediate_size, config.mlp_activation)
 
-    def forward(self, hidden, embeddings, site: SharedBlockSite, state: KVState | None, mask, positions):
+    def forward(self, hidden, embeddings, site: SharedBlockSite, state: KVState | None, mask, positions,
+                segments=None):
         x = self.input_layernorm(torch.cat([hidden, embeddings], dim=-1))
         q, k, v = self.attention.project(x)
         if site.q_adapter is not None:
             q, k, v = q + site.q_adapter(x), k + site.k_adapter(x), v + site.v_adapter(x)
-        attended = self.attention.attend(q, k, v, state, mask=mask, positions=positions)
+        attended = self.attention.attend(q, k, v, state, mask=mask, positions=positions, segments=segments)
         y = self.pre_mlp_layernorm(attended)
         return site.out_proj(self.mlp(y, site.mlp_adapter(y) if site.mlp_adapter is not None else None))
 
@@ -94,6 +95,7 @@ class SharedBlocks(nn.Module):
         return [self.block_of(k).attention.init_state(batch_size, max_length, device, dtype)
                 for k in range(len(self.layers))]
 
-    def forward(self, application: int, hidden, embeddings, state=None, mask=None, positions=None):
+    def forward(self, application: int, hidden, embeddings, state=None, mask=None, positions=None, segments=None):
         """What application ``application`` adds to its layer's mixer input."""
-        return self.block_of(application)(hidden, embeddings, self.sites[application], state, mask, positions)
+        return self.block_of(application)(hidden, embeddings, self.sites[application], state, mask, positions,
+                                          segments)

@@ -10,6 +10,7 @@ from ..cache import KVState
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding
 from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
+from .segments import check_stateless
 
 
 @register("attention")
@@ -66,18 +67,21 @@ class Attention(Mixer):
         return KVState.empty(batch_size, self.num_kv_heads, self.head_dim, capacity=capacity, window=self.window,
                              device=device, dtype=dtype)
 
-    def forward(self, x, state: KVState | None = None, *, mask=None, positions=None):
+    def forward(self, x, state: KVState | None = None, *, mask=None, positions=None, segments=None):
         gate = self.gate_proj(x) if self.gate_proj is not None else None
-        return self.attend(*self.project(x), state, mask=mask, positions=positions, gate=gate)
+        return self.attend(*self.project(x), state, mask=mask, positions=positions, segments=segments, gate=gate)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values ``[batch, time, heads * head_dim]`` of ``x``."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def attend(self, q, k, v, state: KVState | None = None, *, mask=None, positions=None,
-               gate=None) -> torch.Tensor:
-        """Attention of projected ``q, k, v`` (see :meth:`project`), through ``o_proj``. ``gate [batch, time,
-        heads * head_dim]``: the output gate's pre-activation (with ``attention_output_gate``)."""
+               segments=None, gate=None) -> torch.Tensor:
+        """Attention of projected ``q, k, v`` (see :meth:`project`), through ``o_proj``. With packed documents
+        (``segments``) a query sees only its own document's keys. ``gate [batch, time, heads * head_dim]``: the
+        output gate's pre-activation (with ``attention_output_gate``)."""
+        if segments is not None:
+            check_stateless("attention", state, mask)
         batch, time, _ = q.shape
         q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         if hasattr(self, "q_norm"):
@@ -99,7 +103,9 @@ class Attention(Mixer):
         allowed = None
         if needs_mask:
             allowed = self._allowed(time, first, key_start, keys.shape[2], cached_padding, mask, q.device)
-        out = ops.attention(q, keys, values, mask=allowed, causal=allowed is None and time > 1, scale=self.scale)
+        packed = {} if segments is None else {"seq_idx": segments.seq_idx}
+        out = ops.attention(q, keys, values, mask=allowed, causal=allowed is None and time > 1, scale=self.scale,
+                            **packed)
 
         if state is not None:
             if mask is not None:
