@@ -37,9 +37,9 @@ MOE_ROUTERS = ("softmax", "sigmoid")
 
 # Keys that transformers' own machinery may hand to a config besides its fields.
 _TRANSFORMERS_KWARGS = {
-    "model_type", "torch_dtype", "name_or_path", "_commit_hash", "output_attentions", "attn_implementation",
-    "experts_implementation", "per_layer_config", "num_labels", "_attn_implementation_internal",
-    "_experts_implementation_internal",
+    "model_type", "torch_dtype", "name_or_path", "_name_or_path", "_commit_hash", "output_attentions",
+    "attn_implementation", "experts_implementation", "per_layer_config", "num_labels",
+    "_attn_implementation_internal", "_experts_implementation_internal",
 }
 # The fields that describe the layer plan: checked before the plan is resolved.
 _PLAN_FIELDS = ("layer_types", "layer_pattern", "num_hidden_layers", "attn_layer_period", "attn_layer_offset",
@@ -206,21 +206,20 @@ class HybridConfig(PreTrainedConfig):
         self._resolve_layers()
         # a saved config encodes infinities as {"__float__": "Infinity"} (transformers' JSON form)
         self.mamba2_dt_limit = self._decode_special_floats(self.mamba2_dt_limit)
-        self._check_fields([name for name in _field_hints() if name not in _PLAN_FIELDS])
+        # a field that only mixer kinds absent from the stack read is not checked (``Mixer.config_fields``)
+        owned = {field for cls in MIXERS.values() for field in cls.config_fields}
+        used = {field for cls in self.used_mixers.values() for field in cls.config_fields}
+        self._check_fields([name for name in _field_hints() if name not in _PLAN_FIELDS], skip=owned - used)
         self._resolve_sizes()
         self._check()
 
     # --- field types and ranges --------------------------------------------------------------
 
-    def _check_fields(self, names) -> None:
-        """Type and range of each of ``names`` that this config uses: a field that only mixer kinds absent from
-        the stack read is not checked (see ``Mixer.config_fields``)."""
-        owned = {field for cls in MIXERS.values() for field in cls.config_fields}
-        used = {field for cls in self.used_mixers.values() for field in cls.config_fields} if \
-            self.layer_types is not None and self.mlp_types is not None else owned
+    def _check_fields(self, names, skip=frozenset()) -> None:
+        """Type and range of each of ``names`` but those in ``skip``."""
         hints = _field_hints()
         for name in names:
-            if name in owned and name not in used:
+            if name in skip:
                 continue
             value = getattr(self, name)
             if name == "mamba_dt_rank" and value == "auto":

@@ -39,7 +39,9 @@ _RULES = {
         "mamba2_dt_init_floor", "mamba2_inner_size", "performer_num_features", "performer_redraw_interval",
         "linformer_rank", "linformer_max_length", "intermediate_size", "num_experts", "num_experts_per_tok",
         "moe_intermediate_size", "moe_num_groups", "moe_topk_groups", "moe_routed_scaling", "embedding_multiplier",
-        "residual_multiplier", "logits_multiplier", "num_shared_blocks",
+        "residual_multiplier", "logits_multiplier", "num_shared_blocks", "deltanet_num_key_heads",
+        "deltanet_num_value_heads", "deltanet_key_head_dim", "deltanet_value_head_dim", "deltanet_conv_size",
+        "deltanet_chunk_size", "short_conv_size",
     )),
     _non_negative: ("must be >= 0", (
         "attn_layer_offset", "expert_layer_offset", "initializer_range", "router_aux_loss_coef",

@@ -40,6 +40,8 @@ class GatedDeltaNet(Mixer):
     pattern_letter = "D"
     config_fields = ("deltanet_num_key_heads", "deltanet_num_value_heads", "deltanet_key_head_dim",
                      "deltanet_value_head_dim", "deltanet_conv_size", "deltanet_chunk_size")
+    causal = True
+    grows_with_context = False
 
     @classmethod
     def check_config(cls, config) -> None:

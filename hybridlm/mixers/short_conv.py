@@ -29,6 +29,8 @@ class ConvState(LayerState):
 class GatedShortConv(Mixer):
     pattern_letter = "C"
     config_fields = ("short_conv_size", "short_conv_bias")
+    causal = True
+    grows_with_context = False
 
     @classmethod
     def check_config(cls, config) -> None:

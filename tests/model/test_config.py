@@ -1,11 +1,13 @@
 """HybridConfig: the short forms of the layer plan, validation errors, serialisation."""
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import PreTrainedConfig
 
-from hybridlm import HybridConfig
+from hybridlm import HybridConfig, HybridForCausalLM
 from hybridlm.config import PATTERN_LETTERS
 from hybridlm.mixers import MIXERS
 from tests.helpers import tiny_config
@@ -72,14 +74,78 @@ def test_wrong_model_type_is_rejected():
         HybridConfig.from_dict({"model_type": "jamba", "hidden_size": 64})
 
 
-def test_round_trip(tmp_path):
-    config = tiny_config(layer_pattern="MAS", expert_layer_period=3, expert_layer_offset=1)
-    config.save_pretrained(tmp_path)
-    loaded = HybridConfig.from_pretrained(tmp_path)
-    assert loaded.layer_types == config.layer_types and loaded.mlp_types == config.mlp_types
-    assert loaded.mamba2_dt_limit == [0.0, float("inf")]
-    assert loaded.to_dict() == config.to_dict()
+NAN, INF = float("nan"), float("inf")
 
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(hidden_size="512"), "hidden_size"),
+    (dict(hidden_size=512.0), "hidden_size"),
+    (dict(num_hidden_layers="8"), "num_hidden_layers"),
+    (dict(layer_types="attention"), "layer_types"),
+    (dict(num_attention_heads=8.0), "num_attention_heads"),
+    (dict(mamba_dt_rank="big"), "mamba_dt_rank"),
+    (dict(rope_theta=0), "rope_theta"),
+    (dict(rope_theta=-1.0), "rope_theta"),
+    (dict(rope_theta=INF), "rope_theta"),
+    (dict(mamba_dt_min=0.5), "mamba_dt_min"),
+    (dict(layer_pattern="S", mamba2_dt_min=0.2, mamba2_dt_max=0.1), "mamba2_dt_min"),
+    (dict(layer_pattern="S", mamba2_dt_limit=[0.1]), "mamba2_dt_limit"),
+    (dict(layer_pattern="S", mamba2_dt_limit=[0.0, 1.0, 2.0]), "mamba2_dt_limit"),
+    (dict(layer_pattern="S", mamba2_dt_limit=[0.0, NAN]), "mamba2_dt_limit"),
+    (dict(dtype="float33"), "dtype"),
+    (dict(torch_dtype="float33"), "dtype"),
+    (dict(sliding_window=True), "sliding_window"),
+    (dict(attention_bias="yes"), "attention_bias"),
+    (dict(tie_word_embeddings=1), "tie_word_embeddings"),
+    (dict(layer_pattern="L", linformer_causal=0), "linformer_causal"),
+    (dict(residual_multiplier=NAN), "residual_multiplier"),
+    (dict(router_aux_loss_coef=NAN), "router_aux_loss_coef"),
+    (dict(initializer_range=NAN), "initializer_range"),
+    (dict(partial_rotary_factor=NAN), "partial_rotary_factor"),
+])
+def test_wrong_types_and_ranges_name_the_field(kwargs, field):
+    """Each of these used to be accepted silently or to crash with an error naming no field."""
+    with pytest.raises(ValueError, match=f"HybridConfig.{field}="):
+        HybridConfig(**kwargs)
+
+
+def test_heads_that_do_not_divide_hidden_size():
+    """hidden 100 / 3 heads used to blame partial_rotary_factor; 128 / 3 silently made a 126-wide attention."""
+    for hidden in (100, 128):
+        with pytest.raises(ValueError, match=f"num_attention_heads=3 .*hidden_size={hidden}.*head_dim"):
+            HybridConfig(hidden_size=hidden, num_attention_heads=3, num_key_value_heads=1)
+    config = tiny_config(hidden_size=128, num_attention_heads=3, num_key_value_heads=1, head_dim=42,
+                         layer_types=["attention"])  # explicit: 126 wide, as asked
+    assert HybridForCausalLM(config).model.layers[0].mixer.q_proj.out_features == 126
+
+
+def test_settings_of_unused_mixer_kinds_are_not_checked():
+    """A stack without attention is not refused for its head arithmetic or RoPE settings, nor one without
+    Mamba-2 for its dt limits; a shared attention block counts as attention."""
+    plain = dict(hidden_size=100, num_attention_heads=3, rope_theta=0, partial_rotary_factor=0.7)
+    config = tiny_config(layer_pattern="M", **plain)
+    assert config.head_dim is None
+    model = HybridForCausalLM(config)
+    assert model(torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, config.vocab_size)
+    assert HybridConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
+    HybridConfig(layer_pattern="A", mamba2_dt_limit=[0.5, 0.1], mamba2_head_dim=7)
+    with pytest.raises(ValueError, match="num_attention_heads=3"):
+        HybridConfig(layer_pattern="MM", shared_block_layers=[1], hidden_size=100, num_attention_heads=3)
+
+
+@pytest.mark.parametrize("dt_limit", [None, [0.001, 10.0]])
+def test_round_trip(tmp_path, dt_limit):
+    """What save_pretrained writes reads back through from_pretrained (a directory or the file),
+    from_json_file and from_dict of the parsed JSON (infinities are stored as {"__float__": "Infinity"})."""
+    config = tiny_config(layer_pattern="MAS", expert_layer_period=3, expert_layer_offset=1, mamba2_dt_limit=dt_limit)
+    config.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    readers = [HybridConfig.from_pretrained(tmp_path), HybridConfig.from_pretrained(path),
+               HybridConfig.from_json_file(path), HybridConfig.from_dict(json.loads(path.read_text()))]
+    for loaded in readers:
+        assert loaded.layer_types == config.layer_types and loaded.mlp_types == config.mlp_types
+        assert loaded.mamba2_dt_limit == (dt_limit or [0.0, INF])
+        assert loaded.to_dict() == config.to_dict()
 
 
 def test_every_field_is_documented():
