@@ -8,7 +8,7 @@ sequences), cloning and moving devices are the same operation for every kind. Si
 * ``SSMState`` (Mamba, Mamba-2): conv window ``[conv_channels, width - 1]`` in the model dtype and the fp32
   recurrent state: ``conv_channels * (width - 1) * e + 4 * state_elements``.
 * ``LinearAttentionState`` (Performer) and ``CompressedKVState`` (causal Linformer): fixed-shape fp32 running
-  sums, ``4 * elements``.
+  sums, ``4 * elements`` (the Linformer's also an int64 token count: ``+ 8``).
 
 ``e`` is the element size of the model dtype; ``length`` the number of token slots held (every token seen
 for full attention, at most ``window - 1`` for a sliding window). Recurrent states are kept in fp32 whatever
@@ -157,7 +157,7 @@ class SSMState(LayerState):
 class LinearAttentionState(LayerState):
     """Performer: the running sum ``kv [batch, heads, head_dim + 1, features]`` (fp32) of ``[v, 1] (outer)
     phi(k)`` (the last row is the normaliser), kept scaled by ``exp(-max)``, where ``max [batch, heads]`` is
-    the largest key log-feature seen so far, so that it cannot overflow."""
+    the largest key log-feature seen so far (-inf before the first real key), so that it cannot overflow."""
 
     kv: torch.Tensor
     max: torch.Tensor
@@ -165,11 +165,13 @@ class LinearAttentionState(LayerState):
 
 @dataclasses.dataclass
 class CompressedKVState(LayerState):
-    """Causal Linformer: the compressed ``keys, values [batch, heads, rank, head_dim]`` (fp32), and the number
-    of token slots seen (the default position of the next token)."""
+    """Causal Linformer: the compressed ``keys, values [batch, heads, rank, head_dim]`` (fp32 sums), ``tokens
+    [batch]`` (int64: the real tokens summed into them, what the mean form divides by), and the number of token
+    slots seen (the default position of the next token)."""
 
     keys: torch.Tensor
     values: torch.Tensor
+    tokens: torch.Tensor
     seen: int = 0
 
 

@@ -146,6 +146,7 @@ class HybridConfig(PreTrainedConfig):
     linformer_rank: int = 64
     linformer_max_length: int = 4096
     linformer_causal: bool = True
+    linformer_prefix_reduction: str = "mean"  # causal form: "mean" or "sum" of the compressed prefix
 
     # --- Gated DeltaNet (Qwen3-Next) and LFM2's gated short convolution -------------------------
     deltanet_num_key_heads: int = 4

@@ -15,7 +15,7 @@ from transformers.utils import ModelOutput
 from .cache import HybridCache, LayerState, StateGroup
 from .config import HybridConfig
 from .hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
-from .layers.mlp import MLP, MoE
+from .layers.mlp import MLP, MoE, load_balancing_loss
 from .layers.norms import RMSNorm
 from .mixers import Mixer, build_mixer
 from .mixers.segments import mix
@@ -25,8 +25,9 @@ from .shared_blocks import SharedBlocks
 
 @dataclass
 class HybridModelOutput(ModelOutput):
-    """``last_hidden_state [batch, time, hidden]``; ``cache`` when one was used; ``aux_loss``: the mean MoE
-    load-balancing loss over MoE layers (None without MoE layers)."""
+    """``last_hidden_state [batch, time, hidden]``; ``cache`` when one was used; ``aux_loss``: the MoE
+    load-balancing loss over the real tokens of all MoE layers, as transformers defines it (k for uniform top-k
+    routing; see :func:`hybridlm.layers.mlp.load_balancing_loss`), None without MoE layers."""
 
     last_hidden_state: torch.Tensor | None = None
     cache: HybridCache | None = None
@@ -116,6 +117,14 @@ class HybridPreTrainedModel(PreTrainedModel):
                 target = module.get_parameter(name) if name in dict(module.named_parameters()) \
                     else module.get_buffer(name)
                 init.copy_(target, value.to(target.device, target.dtype))
+
+    def after_optimizer_step(self) -> None:
+        """Call once after each optimizer step (on every data-parallel rank): mixers with step-based schedules
+        advance them (a Performer redraws its random features every ``performer_redraw_interval`` steps, from a
+        seed and the step count saved with the weights, never from the global RNG)."""
+        for module in self.modules():
+            if isinstance(module, Mixer) and hasattr(module, "after_optimizer_step"):
+                module.after_optimizer_step()
 
 
 def _check_mask(mask: torch.Tensor, cache: HybridCache | None) -> None:
@@ -240,7 +249,7 @@ class HybridModel(HybridPreTrainedModel):
                 aux_losses.append(aux)
         if cache is not None:
             cache.advance(mask, time)
-        aux_loss = torch.stack(aux_losses).mean() if aux_losses else None
+        aux_loss = load_balancing_loss(torch.stack(aux_losses)) if aux_losses else None
         return HybridModelOutput(last_hidden_state=self.norm(hidden), cache=cache, aux_loss=aux_loss)
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:

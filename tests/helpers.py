@@ -24,12 +24,29 @@ def tiny_model(seed: int = 0, **overrides) -> HybridForCausalLM:
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """``max |got - expected| / max |expected|``: the error relative to the scale of the result."""
-    return ((got.float() - expected.float()).abs().max() / expected.float().abs().max().clamp_min(1e-30)).item()
+    """``max |got - expected| / max |expected|``: the error relative to the scale of the result.
+
+    An all-zero ``got`` against a non-zero ``expected`` is an error of 1; against an all-zero ``expected`` the
+    error is 0 only when ``got`` is all zero too (inf otherwise). NaN anywhere gives NaN, which no bound passes.
+    """
+    if expected.numel() == 0:
+        return 0.0
+    diff = (got.double() - expected.double()).abs().max()
+    scale = expected.double().abs().max()
+    if scale == 0:
+        return 0.0 if diff == 0 else float("inf")
+    return (diff / scale).item()
 
 
-def assert_close_rel(got: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5) -> None:
+def assert_close_rel(got: torch.Tensor, expected: torch.Tensor, rel: float = 1e-5, *,
+                     allow_zero_reference: bool = False) -> None:
+    """``got`` within ``rel`` of ``expected`` (see :func:`relative_error`). The reference must be finite and, unless
+    ``allow_zero_reference``, not all zero: matching an all-zero reference proves little about a computation."""
     assert got.shape == expected.shape, f"shapes differ: {tuple(got.shape)} vs {tuple(expected.shape)}"
+    assert bool(torch.isfinite(expected).all()), "the reference is not finite"
+    if not allow_zero_reference:
+        assert expected.numel() and bool(expected.ne(0).any()), \
+            "the reference is all zero: the comparison would prove nothing (allow_zero_reference=True if meant)"
     err = relative_error(got, expected)
     assert err <= rel, f"relative error {err:.3g} > {rel}"
 

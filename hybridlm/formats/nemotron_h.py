@@ -96,6 +96,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         partial_rotary_factor=0.0,  # no positional encoding in attention
         mlp_activation="relu2",
         moe_router="sigmoid",
+        router_aux_loss_coef=0.0,  # transformers adds no load-balancing loss (expert_bias balances instead)
         mamba2_inner_size=_inner_size(fc),
         mamba2_dt_min=fc["time_step_min"],
         mamba2_dt_limit=[fc["time_step_min"], float("inf")],  # what the mixer applies, whatever time_step_limit says

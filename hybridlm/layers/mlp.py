@@ -36,16 +36,26 @@ class MLP(nn.Module):
         return self.down_proj(GATED[self.activation](gate) * up)
 
 
-def load_balancing_loss(probs: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Switch-Transformer auxiliary loss ``E * sum_e f_e * p_e`` (``f``: share of routed slots, ``p``: mean
-    router probability); 1.0 when routing is uniform. ``probs [tokens, E]``, ``chosen [tokens, k]``."""
-    routed = F.one_hot(chosen, num_experts).float().sum(1).mean(0) / chosen.shape[1]
-    return num_experts * (routed * probs.mean(0)).sum()
+def routing_statistics(probs: torch.Tensor, chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[2, E]``: per expert, the top-k selections per token (``f``, summing to k) and the mean router
+    probability (``p``), over the ``tokens`` given. ``probs [tokens, E]``, ``chosen [tokens, k]``."""
+    selections = F.one_hot(chosen, num_experts).float().sum(1).mean(0)  # [E]
+    return torch.stack([selections, probs.float().mean(0)])
+
+
+def load_balancing_loss(statistics: torch.Tensor) -> torch.Tensor:
+    """The Switch-Transformer auxiliary loss as transformers defines it for Mixtral, Jamba and Granite-MoE
+    (``load_balancing_loss_func``): ``E * sum_e f_e * p_e`` with ``f`` and ``p`` (see :func:`routing_statistics`)
+    averaged over the MoE layers first (transformers pools all layers' tokens; every layer sees the same ones).
+    ``statistics [layers, 2, E]``. Uniform routing gives k (not 1: ``f`` counts each token's k selections)."""
+    selections, probability = statistics.mean(0)  # [E] each
+    return statistics.shape[-1] * (selections * probability).sum()
 
 
 class MoE(nn.Module):
     """Top-k routing over ``num_experts`` MLPs plus an optional always-on shared expert. ``forward`` returns
-    ``(output, aux_loss)``.
+    ``(output, routing statistics [2, E])``; the model turns those of all layers into the auxiliary loss
+    (:func:`load_balancing_loss`).
 
     ``router="softmax"``: softmax probabilities, then top-k. ``router="sigmoid"`` (DeepSeek-V3, Nemotron-H):
     sigmoid scores; the top-k are chosen by score plus ``expert_bias`` (a buffer, for balancing without an
@@ -127,6 +137,5 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
-        real = mask.reshape(-1) if mask is not None else slice(None)
-        aux = load_balancing_loss(probs[real], chosen[real], len(self.experts))
-        return out.view_as(x), aux
+        real = mask.reshape(-1) if mask is not None else slice(None)  # padding takes no part in balancing
+        return out.view_as(x), routing_statistics(probs[real], chosen[real], len(self.experts))

@@ -4,12 +4,13 @@ The paper's form (``linformer_causal=False``) needs the whole sequence: with ``E
 ``out = softmax(Q (E K)^T / sqrt(d)) (F V)``, every query seeing every token, so it cannot decode.
 
 The causal form (the default, and the one a language model uses) restricts both projections to the prefix:
-``out[t] = softmax(q_t (E_{<=t} K_{<=t})^T / sqrt(d)) (F_{<=t} V_{<=t})``, where ``E_{<=t}`` keeps the
-columns of positions ``0..t``. The compressed keys and values are running sums, so the state is two
-``[rank, head_dim]`` matrices per head whatever the length, and prefill and decode compute the same thing.
-It differs from the paper in that (a) a query sees a compression of its prefix only, whose scale grows with
-``t`` (sums, not means, exactly as the paper's ``E K`` over the prefix), and (b) columns are indexed by
-position id, so left padding does not shift them. Positions must stay below ``linformer_max_length``.
+``out[t] = softmax(q_t (E_{<=t} K_{<=t})^T / (n_t sqrt(d))) (F_{<=t} V_{<=t}) / n_t``, where ``E_{<=t}`` keeps
+the columns of positions ``0..t`` and ``n_t`` is the number of real tokens in the prefix
+(``linformer_prefix_reduction="mean"``, the default), or 1 (``"sum"``: the paper's ``E K`` over the prefix,
+whose scale grows with ``t``, so late queries get ever sharper softmaxes over ever larger values).
+The compressed keys and values are running sums, so the state is two ``[rank, head_dim]`` matrices per head
+and a token count whatever the length, and prefill and decode compute the same thing. Columns are indexed by
+position id, so left padding does not shift them; positions must lie in ``[0, linformer_max_length)``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from torch import nn
 from .. import ops
 from ..cache import CompressedKVState
 from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register, zero_padding
+
+PREFIX_REDUCTIONS = ("mean", "sum")
 
 
 @register("linformer")
@@ -40,6 +43,10 @@ class Linformer(Mixer):
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.rank, self.max_length = config.linformer_rank, config.linformer_max_length
         self.causal = config.linformer_causal
+        self.prefix_reduction = config.linformer_prefix_reduction
+        if self.prefix_reduction not in PREFIX_REDUCTIONS:
+            raise ValueError(f"HybridConfig.linformer_prefix_reduction={self.prefix_reduction!r} is invalid: "
+                             f"allowed: {PREFIX_REDUCTIONS}")
         width = self.num_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, width, bias=bias)
         self.k_proj = nn.Linear(hidden, width, bias=bias)
@@ -57,32 +64,48 @@ class Linformer(Mixer):
             raise ValueError("a bidirectional Linformer (linformer_causal=False) has no state: it cannot decode")
         shape = (batch_size, self.num_heads, self.rank, self.head_dim)
         return CompressedKVState(keys=torch.zeros(shape, device=device, dtype=torch.float32),
-                                 values=torch.zeros(shape, device=device, dtype=torch.float32))
+                                 values=torch.zeros(shape, device=device, dtype=torch.float32),
+                                 tokens=torch.zeros(batch_size, device=device, dtype=torch.long))
 
     def forward(self, x, state: CompressedKVState | None = None, *, mask=None, positions=None):
         batch, time, _ = x.shape
         if positions is None:
             first = state.seen if state is not None else 0
             positions = torch.arange(first, first + time, device=x.device).expand(batch, time)
-        if int(positions.max()) >= self.max_length:
-            raise ValueError(f"Linformer: position {int(positions.max())} >= linformer_max_length={self.max_length}")
-        q, k, v = (proj(x).view(batch, time, self.num_heads, -1).transpose(1, 2)
+        self._check_positions(positions)
+        q, k, v = (proj(x).view(batch, time, self.num_heads, -1).transpose(1, 2)  # [b, h, t, d]
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        e = zero_padding(self.key_projection.T[positions], mask)  # [batch, time, rank]; padding adds nothing
-        f = zero_padding(self.value_projection.T[positions], mask)
+        e = zero_padding(self.key_projection.T[positions], mask)  # [b, t, rank]; padding adds nothing
+        f = zero_padding(self.value_projection.T[positions], mask)  # [b, t, rank]
         scale = self.head_dim**-0.5
-        if self.causal:
-            out, (keys, values) = ops.causal_compressed_attention(
-                q, k, v, e, f, scale=scale, initial_state=(state.keys, state.values) if state is not None else None
-            )
-            if state is not None:
-                state.keys.copy_(keys)
-                state.values.copy_(values)
-                state.seen += time
-        else:
+        if not self.causal:
             if state is not None:
                 raise ValueError("a bidirectional Linformer (linformer_causal=False) cannot continue from a state")
-            keys = torch.einsum("btr,bhtd->bhrd", e, k)
-            values = torch.einsum("btr,bhtd->bhrd", f, v)
-            out = torch.softmax(q @ keys.transpose(-1, -2) * scale, dim=-1) @ values
+            keys = torch.einsum("btr,bhtd->bhrd", e, k)  # [b, h, rank, d]
+            values = torch.einsum("btr,bhtd->bhrd", f, v)  # [b, h, rank, d]
+            out = torch.softmax(q @ keys.transpose(-1, -2) * scale, dim=-1) @ values  # [b, h, t, d]
+            return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))
+        real = torch.ones_like(positions) if mask is None else mask.long()  # [b, t]
+        tokens = real.cumsum(-1) + (state.tokens[:, None] if state is not None else 0)  # [b, t]: summed so far
+        # a query before any real token (padding) sees empty sums: dividing them by 1 keeps them empty
+        normalizer = tokens.clamp_min(1) if self.prefix_reduction == "mean" else None
+        out, (keys, values) = ops.causal_compressed_attention(
+            q, k, v, e, f, scale=scale, normalizer=normalizer,
+            initial_state=(state.keys, state.values) if state is not None else None,
+        )  # out [b, h, t, d]
+        if state is not None:
+            state.keys.copy_(keys)
+            state.values.copy_(values)
+            state.tokens.copy_(tokens[:, -1])
+            state.seen += time
         return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))
+
+    def _check_positions(self, positions: torch.Tensor) -> None:
+        """Positions index the columns of E and F: they must lie in ``[0, linformer_max_length)``."""
+        if not positions.numel():
+            return
+        low, high = torch.stack([positions.min(), positions.max()]).tolist()  # one device sync
+        if low < 0:
+            raise ValueError(f"Linformer: position_ids must be >= 0 (they index the columns of E and F), got {low}")
+        if high >= self.max_length:
+            raise ValueError(f"Linformer: position {high} >= linformer_max_length={self.max_length}")

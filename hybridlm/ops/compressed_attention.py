@@ -8,6 +8,8 @@ Linformer projects the ``time`` axis of keys and values to ``rank`` rows with ma
 
 so the state is two ``[rank, head_dim]`` matrices per head whatever the length. ``e, f [batch, time, rank]``
 are the projection columns of each token (zero for padding, which then adds nothing).
+With ``normalizer [batch, time]``, query ``t`` sees ``K~[t] / n[t]`` and ``V~[t] / n[t]`` instead (the mean
+over its prefix when ``n[t]`` counts the tokens summed): its scores and its output are divided by ``n[t]``.
 Inside a chunk the scores need ``(q k^T masked) e``; states entering each chunk are exclusive prefix sums.
 """
 
@@ -27,14 +29,18 @@ def causal_compressed_attention_ref(
     scale: float,
     initial_state: tuple[torch.Tensor, torch.Tensor] | None = None,
     chunk_size: int = 64,
+    normalizer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """``q, k, v [batch, heads, time, dim]``; returns ``(out, (K~, V~))`` with ``K~, V~ [batch, heads, rank, dim]``."""
+    """``q, k, v [batch, heads, time, dim]``; returns ``(out, (K~, V~))`` with ``K~, V~ [batch, heads, rank, dim]``
+    (sums, whether or not a ``normalizer [batch, time]`` divides what each query sees)."""
     batch, heads, time, dim = q.shape
     rank = e.shape[-1]
     if e.shape != (batch, time, rank) or f.shape != e.shape:
         raise ValueError(
             f"compressed_attention: e {tuple(e.shape)} and f {tuple(f.shape)} must be [{batch}, {time}, rank]"
         )
+    if normalizer is not None and normalizer.shape != (batch, time):
+        raise ValueError(f"compressed_attention: normalizer {tuple(normalizer.shape)} must be [{batch}, {time}]")
     chunk = max(1, min(chunk_size, time))
     pad = -time % chunk
     qc, kc, vc = (F.pad(t.float(), (0, 0, 0, pad)).unflatten(2, (-1, chunk)) for t in (q, k, v))
@@ -54,9 +60,14 @@ def causal_compressed_attention_ref(
     values_in, values_out = entering(values0, torch.einsum("bcsr,bhcsd->bhcrd", fc, vc))
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
 
-    qk = torch.einsum("bhcld,bhcsd->bhcls", qc, kc).masked_fill(~causal, 0.0)
+    inverse = 1.0  # or [b, 1, c, l, 1]: 1 / normalizer (1 past the end)
+    if normalizer is not None:
+        inverse = F.pad(1 / normalizer.float(), (0, pad), value=1.0).view(batch, 1, -1, chunk, 1)
+
+    qk = torch.einsum("bhcld,bhcsd->bhcls", qc, kc).masked_fill(~causal, 0.0)  # [b, h, c, l, s]
     scores = torch.einsum("bhcld,bhcrd->bhclr", qc, keys_in) + torch.einsum("bhcls,bcsr->bhclr", qk, ec)
-    probs = torch.softmax(scores * scale, dim=-1)
-    mixed = torch.einsum("bhclr,bcsr->bhcls", probs, fc).masked_fill(~causal, 0.0)
+    probs = torch.softmax(scores * inverse * scale, dim=-1)  # [b, h, c, l, r]
+    mixed = torch.einsum("bhclr,bcsr->bhcls", probs, fc).masked_fill(~causal, 0.0)  # [b, h, c, l, s]
     out = torch.einsum("bhclr,bhcrd->bhcld", probs, values_in) + torch.einsum("bhcls,bhcsd->bhcld", mixed, vc)
+    out = out * inverse  # [b, h, c, l, d]
     return out.flatten(2, 3)[:, :, :time].to(v.dtype), (keys_out, values_out)

@@ -98,7 +98,7 @@ def expected_nbytes(kind, config, batch, tokens, element=4):
     if kind == "performer":
         return batch * 4 * config.num_attention_heads * ((config.head_dim + 1) * config.performer_num_features + 1)
     if kind == "linformer":
-        return batch * 4 * 2 * config.num_attention_heads * config.linformer_rank * config.head_dim
+        return batch * (4 * 2 * config.num_attention_heads * config.linformer_rank * config.head_dim + 8)
     if kind == "gated_deltanet":
         keys, values = config.deltanet_num_key_heads * config.deltanet_key_head_dim, \
             config.deltanet_num_value_heads * config.deltanet_value_head_dim
@@ -159,29 +159,6 @@ def test_state_select_and_clone(kind):
         out = mixer(step, state, positions=torch.full((3, 1), 6))
         assert_close_rel(mixer(step[[2, 0, 2]], picked, positions=torch.full((3, 1), 6)), out[[2, 0, 2]])
         assert_close_rel(mixer(step, copy, positions=torch.full((3, 1), 6)), out)
-
-
-def test_performer_extreme_inputs_stay_finite():
-    """Large keys would overflow exp() without the running-maximum stabiliser."""
-    mixer, config = build("performer")
-    x = torch.randn(1, 10, config.hidden_size, generator=torch.Generator().manual_seed(9)) * 200
-    with torch.no_grad():
-        full = mixer(x)
-        stepped, _ = run_in_pieces(mixer, x, list(range(1, 10)))
-    assert torch.isfinite(full).all()
-    assert_close_rel(stepped, full, rel=1e-4)
-
-
-def test_performer_redraws_features_only_in_training():
-    mixer, config = build("performer", performer_redraw_interval=2)
-    before = mixer.projection.clone()
-    x = torch.randn(1, 4, config.hidden_size)
-    with torch.no_grad():
-        mixer(x)
-    assert torch.equal(mixer.projection, before)  # eval: never redrawn
-    mixer.train()
-    mixer(x)
-    assert not torch.equal(mixer.projection, before)
 
 
 def test_bidirectional_linformer_is_the_papers_form():
