@@ -1,4 +1,5 @@
-"""Our CUDA C++ selective scan (``kernels/selective_scan``), with the signature of ``selective_scan_ref``.
+"""Our CUDA C++ selective scan (``hybridlm/ops/cuda_src/selective_scan``), with the signature of
+``selective_scan_ref``. The sources ship inside the package (package data), so a wheel install can build it.
 
 The extension is compiled on first use on a CUDA machine by ``torch.utils.cpp_extension.load`` (about a minute;
 the result is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) and registers the
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "selective_scan"
+KERNEL_DIR = Path(__file__).resolve().parent / "cuda_src" / "selective_scan"
 SOURCES = ("binding.cpp", "selective_scan_fwd.cu", "selective_scan_bwd.cu")
 LIBRARY = "hybridlm_selective_scan"
 MIN_CAPABILITY = (8, 0)
@@ -44,7 +45,7 @@ def unavailable_reason(device: torch.device | str | None = None) -> str | None:
         return f"the build failed: {_build_error}"
     missing = [name for name in SOURCES if not (KERNEL_DIR / name).is_file()]
     if missing:
-        return f"CUDA sources {missing} not found in {KERNEL_DIR} (they come with a source checkout of hybridlm)"
+        return f"CUDA sources {missing} not found in {KERNEL_DIR} (an incomplete hybridlm install?)"
     from torch.utils.cpp_extension import CUDA_HOME
 
     if CUDA_HOME is None or not (Path(CUDA_HOME) / "include" / "cuda_runtime.h").is_file():
