@@ -27,7 +27,8 @@ class HeldOut:
         return loss * self.tokens_per_byte / math.log(2)
 
     def evaluate(self, model, layout: str, limit: int | None = None) -> dict:
-        """``eval_loss`` (nats/token), ``bits_per_byte`` and ``tokens`` over the first ``limit`` rows."""
+        """``eval_loss`` (nats/token), ``bits_per_byte`` and ``eval_tokens`` over the first ``limit`` rows."""
         loss = evaluate(model, self.rows, layout, limit)
         rows = len(self.rows) if limit is None else min(limit, len(self.rows))
-        return {"eval_loss": loss, "bits_per_byte": self.bits_per_byte(loss), "tokens": rows * self.rows.ids.shape[1]}
+        return {"eval_loss": loss, "bits_per_byte": self.bits_per_byte(loss),
+                "eval_tokens": rows * self.rows.ids.shape[1]}
