@@ -20,12 +20,16 @@ from tests.helpers import tiny_model
 WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(59)]
 
 
-def test_demo_reports_cache_and_speed(capsys):
-    main(["demo", "--context", "256", "--steps", "2"])
+def test_demo_writes_python_and_compares_the_bundled_models(capsys):
+    main(["demo", "--contexts", "256", "1024", "--steps", "2", "--warmup", "1", "--eval-rows", "2",
+          "--max-new-tokens", "24"])
     out = capsys.readouterr().out
-    assert "cache B/token" in out and "decode ms/token" in out
-    assert "8.0x fewer cache bytes per token" in out  # one attention layer in eight
-    assert "Generating 16 tokens" in out and "min / median" in out
+    assert out.splitlines()[2].startswith("def fibonacci(n):")  # the prompt, then the streamed continuation
+    assert "held-out bits/byte" in out and "decode ms/token @1K" in out and "min / median" in out
+    assert "4.0x fewer cache bytes per token" in out  # two attention layers in eight against eight
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("hybrid ", "attention "))}
+    assert set(rows) == {"hybrid", "attention"}
+    assert all(float(row[2]) < 2.0 for row in rows.values())  # trained: an untrained model scores ~3.5 bits/byte
 
 
 def test_info_by_kind_for_a_preset_and_a_config_file(capsys, tmp_path):
@@ -118,8 +122,24 @@ def test_generate_without_tokenizer_takes_ids(capsys, tmp_path):
     tiny_model(layer_pattern="S").save_pretrained(tmp_path)
     main(["generate", "--model", str(tmp_path), "--ids", "3,4,5", "--max-new-tokens", "4"])
     assert len(capsys.readouterr().out.split()) == 4
-    with pytest.raises(SystemExit, match="tokenizer"):
+    with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--prompt", "hello"])
+    assert "--prompt needs tokenizer files" in capsys.readouterr().err
+
+
+def test_generate_gives_byte_level_models_text(capsys, tmp_path):
+    model = tiny_model(vocab_size=256, layer_pattern="SA")
+    model.save_pretrained(tmp_path)
+    main(["generate", "--model", str(tmp_path), "--prompt", "héllo", "--max-new-tokens", "5"])
+    out = capsys.readouterr().out.rstrip("\n")
+    ids = list("héllo".encode())
+    tokens = IncrementalDecoder(model).generate([ids], max_new_tokens=5)[0, len(ids):].tolist()
+    assert out == bytes(tokens).decode("utf-8", errors="replace")
+
+
+def test_generate_defaults_to_the_bundled_hybrid(capsys):
+    main(["generate", "--prompt", "import os\nimport sys\n", "--max-new-tokens", "12"])
+    assert len(capsys.readouterr().out.strip()) > 0
 
 
 def test_convert_round_trip(tmp_path):
