@@ -19,6 +19,7 @@ from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import GatedRMSNorm, at_least_fp32
 from .base import Mixer, invalid_config, register, zero_padding
+from .segments import check_stateless
 
 L2_EPS = 1e-6  # as fla and transformers: x / sqrt(sum(x^2) + eps)
 
@@ -78,11 +79,16 @@ class GatedDeltaNet(Mixer):
                             dtype=torch.promote_types(dtype or torch.float32, torch.float32)),  # fp32, or fp64
         )
 
-    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None):
+    def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None, segments=None):
+        packed = {}
+        if segments is not None:  # packed documents: one row, conv window and state restarting at each
+            check_stateless("gated_deltanet", state, mask)
+            x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split([self.heads, self.heads], dim=-1)  # [batch, time, heads] each
-        qkv = self.conv1d(zero_padding(qkv, mask).transpose(1, 2), state.conv if state is not None else None)
+        qkv = self.conv1d(zero_padding(qkv, mask).transpose(1, 2), state.conv if state is not None else None,
+                          **packed)
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.view(batch, time, self.key_heads, self.dim_k))  # [batch, time, key_heads, dim_k]
         k = l2_normalize(k.view(batch, time, self.key_heads, self.dim_k))
@@ -95,8 +101,9 @@ class GatedDeltaNet(Mixer):
             o = o.unsqueeze(1)  # [batch, 1, heads, dim_v]
         else:
             o, final = ops.gated_delta_rule(q, k, v, log_gate, beta, chunk_size=self.chunk_size,
-                                            initial_state=state.ssm if state is not None else None)
+                                            initial_state=state.ssm if state is not None else None, **packed)
             if state is not None:
                 state.ssm.copy_(final)
         o = self.norm(o.to(x.dtype), z.view(batch, time, self.heads, self.dim_v))  # [batch, time, heads, dim_v]
-        return self.out_proj(o.reshape(batch, time, self.value_dim))
+        out = self.out_proj(o.reshape(batch, time, self.value_dim))  # [batch, time, hidden]
+        return out if segments is None else segments.rows(out)

@@ -15,6 +15,7 @@ from ..cache import LayerState
 from ..layers.conv import ShortConv
 from .base import Mixer, register, zero_padding
 from .gated_deltanet import check_positive
+from .segments import check_stateless
 
 
 @dataclasses.dataclass
@@ -46,8 +47,13 @@ class GatedShortConv(Mixer):
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> ConvState:
         return ConvState(conv=self.conv.init_window(batch_size, device, dtype))
 
-    def forward(self, x, state: ConvState | None = None, *, mask=None, positions=None):
+    def forward(self, x, state: ConvState | None = None, *, mask=None, positions=None, segments=None):
+        packed = {}
+        if segments is not None:  # packed documents: one row, the window restarting at each
+            check_stateless("short_conv", state, mask)
+            x, packed = segments.one_row(x), segments.scan_kwargs()
         B, C, h = self.in_proj(x).chunk(3, dim=-1)  # [batch, time, hidden] each
         gated = zero_padding(B * h, mask)  # a padded token puts a zero into the window, as an empty window holds
-        y = self.conv(gated.transpose(1, 2), state.conv if state is not None else None).transpose(1, 2)
-        return self.out_proj(C * y)
+        y = self.conv(gated.transpose(1, 2), state.conv if state is not None else None, **packed).transpose(1, 2)
+        out = self.out_proj(C * y)
+        return out if segments is None else segments.rows(out)

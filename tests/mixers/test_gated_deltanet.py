@@ -10,6 +10,7 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from hybridlm.mixers import MIXERS
+from hybridlm.mixers.segments import Segments
 from tests.helpers import assert_close_rel, tiny_config
 from tests.mixers.test_mixers import run_in_pieces
 
@@ -113,3 +114,20 @@ def test_bad_deltanet_settings_name_the_field(overrides, field):
 
 def test_unused_deltanet_settings_are_not_checked():
     tiny_config(layer_types=["attention"], deltanet_num_key_heads=4, deltanet_num_value_heads=6)
+
+
+@pytest.mark.parametrize("kind", ["gated_deltanet", "short_conv"])
+def test_packed_documents_equal_each_alone(kind):
+    """Two rows of packed documents (segments): each document's output is that of the document run alone."""
+    mixer, config = deltanet(1) if kind == "gated_deltanet" else (
+        MIXERS["short_conv"](tiny_config(layer_types=["short_conv"], short_conv_bias=True), 0).eval(), tiny_config())
+    seq_idx = torch.tensor([[0] * 5 + [1] * 9 + [2] * 2, [0] * 11 + [1] * 5])
+    x = torch.randn(2, 16, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        packed = mixer(x, segments=Segments.from_seq_idx(seq_idx))
+        for row in range(2):
+            for doc in seq_idx[row].unique():
+                where = seq_idx[row] == doc
+                alone = mixer(x[row : row + 1, where])
+                assert alone.abs().max() > 0
+                assert_close_rel(packed[row : row + 1, where], alone)
