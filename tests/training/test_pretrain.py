@@ -133,3 +133,18 @@ def test_bad_input_is_an_error_before_training(corpus, model_file, tmp_path):
     pretrain.main(args_for(corpus, model_file, small_vocab, "--steps", "1", "--vocab-size", "280"))
     fails("the tokenizer has 300 entries", "--model", str(small_vocab))
     assert (done / "checkpoint" / "model.safetensors").read_bytes() == before  # nothing overwritten
+
+
+def test_accumulation_and_activation_checkpointing_give_the_same_training(corpus, model_file, tmp_path):
+    """The global batch split into micro-batches, with blocks recomputed in backward, trains the same weights."""
+    plain, split = tmp_path / "plain", tmp_path / "split"
+    pretrain.main(args_for(corpus, model_file, plain, "--steps", "3"))
+    pretrain.main(args_for(corpus, model_file, split, "--steps", "3", "--grad-accum", "2", "--checkpointing"))
+    expected, got = load_file(plain / "model.safetensors"), load_file(split / "model.safetensors")
+    for name in expected:
+        assert (got[name] - expected[name]).abs().max() <= 1e-5 * expected[name].abs().max().clamp_min(1), name
+
+
+def test_bf16_autocast_trains(corpus, model_file, tmp_path):
+    last = pretrain.main(args_for(corpus, model_file, tmp_path, "--steps", "3", "--precision", "bf16"))
+    assert torch.isfinite(torch.tensor(last["loss"])) and last["loss"] < 6.5
