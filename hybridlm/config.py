@@ -376,11 +376,6 @@ class HybridConfig(PreTrainedConfig):
         return used
 
     @property
-    def mixer_kinds(self) -> set[str]:
-        """Every mixer kind some layer runs (the parts of parallel layers included)."""
-        return {part for kind in self.layer_types for part in mixer_parts(kind)}
-
-    @property
     def is_causal(self) -> bool:
         """Every mixer is causal under this config (what a causal LM needs; see ``Mixer.is_causal``)."""
         return all(cls.is_causal(self) for cls in self.used_mixers.values())

@@ -28,7 +28,8 @@ PREFIX_REDUCTIONS = ("mean", "sum")
 @register("linformer")
 class Linformer(Mixer):
     pattern_letter = "L"
-    config_fields = HEAD_LAYOUT_FIELDS + ("linformer_rank", "linformer_max_length", "linformer_causal")
+    config_fields = HEAD_LAYOUT_FIELDS + ("linformer_rank", "linformer_max_length", "linformer_causal",
+                                          "linformer_prefix_reduction")
     causal_field = "linformer_causal"  # the paper's form (False) sees the whole sequence
     grows_with_context = False
     max_positions_field = "linformer_max_length"  # E and F have one column per position
