@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hybridlm.ops.attention import attention_ref
 from hybridlm.ops.backends import BackendUnavailable, Plan
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref
+from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
 from hybridlm.ops.selective_scan import selective_scan_ref
 from hybridlm.ops.ssd import ssd_chunk_scan_ref
@@ -116,6 +117,33 @@ def test_causal_conv1d(lengths, width, with_state, seed):
     tensors = dict(x=torch.randn(1, channels, time), weight=torch.randn(channels, width), bias=torch.randn(channels))
     state = torch.randn(len(lengths), channels, width - 1) if with_state else None
     run_both(causal_conv1d_ref, lengths, tensors, dict(x=2, out=2), state, seed, activation="silu")
+
+
+def compressed_attention(**tensors):
+    """The compressed sums as one tensor ``[batch or n_seqs, 2, heads, rank, dim]``, for :func:`run_both`."""
+    out, (keys, values) = causal_compressed_attention_ref(**tensors)
+    return out, torch.stack([keys, values], dim=1)
+
+
+@settings(max_examples=10)
+@given(lengths=lengths_lists, chunk=st.sampled_from([1, 4, 16]), mean=st.booleans(), seed=st.integers(0, 99))
+def test_compressed_attention(lengths, chunk, mean, seed):
+    """Linformer's causal form; with ``mean``, each query divides by its own sequence's token count."""
+    torch.manual_seed(seed)
+    time, heads, dim, rank = sum(lengths), 2, 4, 3
+    tensors = dict(q=torch.randn(1, heads, time, dim), k=torch.randn(1, heads, time, dim),
+                   v=torch.randn(1, heads, time, dim), e=torch.randn(1, time, rank), f=torch.randn(1, time, rank),
+                   normalizer=torch.cat([torch.arange(1, n + 1) for n in lengths])[None].float() if mean else None)
+    run_both(compressed_attention, lengths, tensors, dict(q=2, k=2, v=2, e=1, f=1, normalizer=1, out=2), None, seed,
+             chunk_size=chunk, scale=0.5)
+
+
+def test_compressed_attention_packed_takes_no_initial_state():
+    q = torch.randn(1, 1, 4, 2)
+    sums = (torch.zeros(2, 1, 3, 2), torch.zeros(2, 1, 3, 2))
+    with pytest.raises(ValueError, match="no initial_state"):
+        causal_compressed_attention_ref(q, q, q, torch.randn(1, 4, 3), torch.randn(1, 4, 3), scale=1.0,
+                                        initial_state=sums, cu_seqlens=torch.tensor([0, 1, 4]))
 
 
 @settings(max_examples=10)
