@@ -149,7 +149,7 @@ def run_demo(args) -> None:
     loaded = {name: load_bundled(name) for name in BUNDLED_MODELS}
     model, tokenizer = loaded["hybrid"]
     print(f"hybridlm demo: the bundled hybrid ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, "
-          f"layers {''.join(m[0].upper() for m in model.config.layer_types)}) continues a prompt, greedy:\n")
+          f"layers {'/'.join(model.config.layer_types)}) continues a prompt, greedy:\n")
     print(args.prompt, end="", flush=True)
     _stream(model, tokenizer, tokenizer(args.prompt, add_special_tokens=False)["input_ids"],
             [tokenizer.eos_token_id], dict(max_new_tokens=args.max_new_tokens))
