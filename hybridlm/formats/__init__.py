@@ -24,6 +24,7 @@ from . import (  # noqa: F401
     mamba2,
     mamba_ssm,
     nemotron_h,
+    qwen3_5,
     qwen3_next,
     zamba2,
 )

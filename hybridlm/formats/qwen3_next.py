@@ -85,14 +85,15 @@ def _regroup(t: torch.Tensor, groups: int, sizes: list[int], per_group: bool) ->
     return torch.cat([b.unflatten(0, (groups, -1)) for b in blocks], dim=1).flatten(0, 1)
 
 
-def _relayout(state: StateDict, config: HybridConfig, to_ours: bool) -> StateDict:
-    """Split (or join) the fused attention and DeltaNet projections; names are ours except the fused q_proj."""
+def _relayout(state: StateDict, config: HybridConfig, to_ours: bool, interleaved: bool = True) -> StateDict:
+    """Split (or join) the fused attention projection and (``interleaved``) reorder the DeltaNet projections;
+    names are ours except the fused q_proj."""
     state = dict(state)
     group = config.deltanet_num_value_heads // config.deltanet_num_key_heads
     dk, dv = config.deltanet_key_head_dim, config.deltanet_value_head_dim
     for i, kind in enumerate(config.layer_types):
         mixer = f"model.layers.{i}.mixer"
-        if kind == "gated_deltanet":
+        if kind == "gated_deltanet" and interleaved:
             for name, sizes in (("in_proj_qkvz", [dk, dk, group * dv, group * dv]), ("in_proj_ba", [group, group])):
                 key = f"{mixer}.{name}.weight"
                 if key in state:
@@ -116,31 +117,42 @@ def _fused_q_rules(config: HybridConfig) -> RenameRules:
                         for i in positions(config.layer_types, "attention")])
 
 
-def to_config(foreign_config: dict) -> HybridConfig:
-    fc = with_transformers_defaults(foreign_config)
-    require_settings(fc, {"hidden_act": ("silu",)}, "qwen3_next")
+def config_from(fc: dict, mlp_types: list[str], model_type: str) -> HybridConfig:
+    """The HybridConfig of a Qwen3-Next-style text config (Qwen3.5's too) whose MLP plan is ``mlp_types``."""
+    require_settings(fc, {"hidden_act": ("silu",)}, model_type)
     unknown = sorted(set(fc["layer_types"]) - set(LAYER_KINDS))
     if unknown:
-        raise ValueError(f"qwen3_next config: layer_types {unknown} are not supported (hybridlm reads "
+        raise ValueError(f"{model_type} config: layer_types {unknown} are not supported (hybridlm reads "
                          f"{sorted(LAYER_KINDS)})")
-    moe = [i not in fc["mlp_only_layers"] and fc["num_experts"] > 0 and (i + 1) % fc["decoder_sparse_step"] == 0
-           for i in range(fc["num_hidden_layers"])]
-    if any(moe) and not fc["shared_expert_intermediate_size"]:
-        raise ValueError("qwen3_next config: shared_expert_intermediate_size=0 is not supported (its gated shared "
-                         "expert would be empty)")
+    if "moe" in mlp_types and not fc["shared_expert_intermediate_size"]:
+        raise ValueError(f"{model_type} config: shared_expert_intermediate_size=0 is not supported (its gated "
+                         "shared expert would be empty)")
     return HybridConfig(
         **FIELDS.to_ours(fc),
         **rope_settings(fc, DEFAULT_PARTIAL_ROTARY_FACTOR),
         layer_types=[LAYER_KINDS[kind] for kind in fc["layer_types"]],
-        mlp_types=["moe" if m else "dense" for m in moe],
+        mlp_types=mlp_types,
         **FIXED,
     )
 
 
-def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
+def to_config(foreign_config: dict) -> HybridConfig:
+    fc = with_transformers_defaults(foreign_config)
+    moe = [i not in fc["mlp_only_layers"] and fc["num_experts"] > 0 and (i + 1) % fc["decoder_sparse_step"] == 0
+           for i in range(fc["num_hidden_layers"])]
+    return config_from(fc, ["moe" if m else "dense" for m in moe], "qwen3_next")
+
+
+def weights_to_ours(state: StateDict, config: HybridConfig, interleaved: bool = True) -> StateDict:
+    """Qwen3-Next-style weights (``model.layers...`` names) as ours; ``interleaved``: the DeltaNet projections
+    hold their blocks per key head (Qwen3-Next), not one after another (Qwen3.5, joined by its reader)."""
     state = {name: t for name, t in state.items() if not name.startswith("mtp.")}  # multi-token prediction head
     state = rename_state(rename_state(unfuse_experts(state), _fused_q_rules(config)), decoder_rules(config))
-    return _offset_norms(_relayout(state, config, to_ours=True), config, 1.0)
+    return _offset_norms(_relayout(state, config, to_ours=True, interleaved=interleaved), config, 1.0)
+
+
+def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
+    return weights_to_ours(state, config)
 
 
 def from_config(config: HybridConfig) -> dict:
