@@ -15,14 +15,12 @@ read the same normalised input and their outputs are summed, as in Falcon-H1).
 from __future__ import annotations
 
 import difflib
-import functools
 import math
-import typing
 
 from transformers import GenerationConfig, PreTrainedConfig
 
-from .config_rules import check_dtype, check_field
-from .mixers import MIXERS, Mixer, invalid_config, mixer_class, mixer_parts
+from .config_rules import check_dtype, check_field, field_hints
+from .mixers import MIXERS, Mixer, invalid_config, mixer_class, mixer_parts, pattern_letters
 from .shared_blocks import SharedBlock
 
 MLP_TYPES = ("dense", "moe", "none")
@@ -56,20 +54,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def pattern_letters() -> dict[str, str]:
-    """``layer_pattern`` letters of the registered kinds (``Mixer.pattern_letter``): ``{"A": "attention", ...}``."""
-    return {cls.pattern_letter: kind for kind, cls in MIXERS.items() if cls.pattern_letter is not None}
-
-
 def _fail(field: str, value, allowed: str) -> None:
     raise invalid_config(field, value, allowed)
-
-
-@functools.cache
-def _field_hints() -> dict[str, typing.Any]:
-    """The annotation of each field HybridConfig declares (not those only transformers declares)."""
-    own = HybridConfig.__annotations__
-    return {name: eval(own[name], {}) for name in own if name in HybridConfig.__dataclass_fields__}
 
 
 class HybridConfig(PreTrainedConfig):
@@ -210,7 +196,7 @@ class HybridConfig(PreTrainedConfig):
         # a field that only mixer kinds absent from the stack read is not checked (``Mixer.config_fields``)
         owned = {field for cls in MIXERS.values() for field in cls.config_fields}
         used = {field for cls in self.used_mixers.values() for field in cls.config_fields}
-        self._check_fields([name for name in _field_hints() if name not in _PLAN_FIELDS], skip=owned - used)
+        self._check_fields([name for name in field_hints(HybridConfig) if name not in _PLAN_FIELDS], skip=owned - used)
         self._resolve_sizes()
         self._check()
 
@@ -218,7 +204,7 @@ class HybridConfig(PreTrainedConfig):
 
     def _check_fields(self, names, skip=frozenset()) -> None:
         """Type and range of each of ``names`` but those in ``skip``."""
-        hints = _field_hints()
+        hints = field_hints(HybridConfig)
         for name in names:
             if name in skip:
                 continue

@@ -4,6 +4,7 @@ the fields of the mixer kinds its layers use (see ``Mixer.config_fields``); ever
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import typing
@@ -96,6 +97,13 @@ def check_field(name: str, value, hint, *, finite: bool = True) -> None:
         test, text = RANGES[name]
         if not test(value):
             raise invalid_config(name, value, text)
+
+
+@functools.cache
+def field_hints(config_class) -> dict[str, typing.Any]:
+    """The annotation of each field ``config_class`` itself declares (not those only transformers declares)."""
+    own = config_class.__annotations__
+    return {name: eval(own[name], {}) for name in own if name in config_class.__dataclass_fields__}
 
 
 def check_dtype(value) -> None:

@@ -9,8 +9,8 @@ from . import (  # noqa: F401  (each registers itself)
     performer,
     short_conv,
 )
-from .base import MIXERS, Mixer, invalid_config, register
+from .base import MIXERS, Mixer, invalid_config, pattern_letters, register
 from .parallel import ParallelMixer, build_mixer, mixer_class, mixer_parts
 
 __all__ = ["MIXERS", "Mixer", "ParallelMixer", "build_mixer", "invalid_config", "mixer_class", "mixer_parts",
-           "register"]
+           "pattern_letters", "register"]

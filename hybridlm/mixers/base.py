@@ -57,6 +57,11 @@ def register(name: str):
     return add
 
 
+def pattern_letters() -> dict[str, str]:
+    """``layer_pattern`` letters of the registered kinds (``Mixer.pattern_letter``): ``{"A": "attention", ...}``."""
+    return {cls.pattern_letter: kind for kind, cls in MIXERS.items() if cls.pattern_letter is not None}
+
+
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
