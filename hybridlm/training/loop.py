@@ -66,6 +66,8 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
     from .distributed import SingleProcess
 
     parallel = parallel or SingleProcess()
+    micro = config.batch_size // config.grad_accum
+    parallel.check_batch(micro)  # before anything is written
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     if config.checkpointing:
@@ -79,8 +81,6 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
         state.update(parallel.load(out, model, optimizer, scheduler))
     log = MetricsLog(out, resume_step=state["step"] if resume else None) if parallel.is_main else None
     coef = getattr(model.config, "router_aux_loss_coef", 0.0)
-    micro = config.batch_size // config.grad_accum
-    parallel.check_batch(micro)
     seq_len = rows.ids.shape[1]
     progress = tqdm(range(state["step"], config.steps), initial=state["step"], total=config.steps,
                     desc="training", disable=not parallel.is_main, dynamic_ncols=True)
@@ -103,6 +103,7 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
             step_loss += float(loss_sum.detach())
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip))
         optimizer.step()
+        model.after_optimizer_step()  # step-based mixer schedules (Performer feature redraws)
         scheduler.step()
         step_loss = parallel.sum(step_loss)
         state["step"], state["tokens"] = step + 1, state["tokens"] + config.batch_size * seq_len

@@ -29,10 +29,13 @@ def tokenize_documents(tokenizer, texts: list[str], batch: int = 256) -> torch.T
 @dataclass
 class PackedRows:
     """``ids [rows, seq_len]`` and ``positions [rows, seq_len]`` (restart at document starts, each row
-    starting at 0: a document cut at a row boundary continues as a new document in the next row)."""
+    starting at 0: a document cut at a row boundary continues as a new document in the next row).
+    ``trained [rows, seq_len]`` (optional, bool): the tokens that are targets (fine-tuning: response tokens
+    only); without it every token but a document's first is."""
 
     ids: torch.Tensor
     positions: torch.Tensor
+    trained: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.ids.shape[0]
@@ -42,6 +45,8 @@ class PackedRows:
         Labels of the first token of each document are -100 (nothing predicts them across a boundary)."""
         ids = self.ids[rows]
         labels = ids.clone()
+        if self.trained is not None:
+            labels[~self.trained[rows]] = -100
         if layout == "stream":
             return {"input_ids": ids, "labels": labels}
         positions = self.positions[rows]

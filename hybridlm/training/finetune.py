@@ -1,0 +1,248 @@
+"""Supervised fine-tuning: ``recipes/finetune.py`` and ``python -m hybridlm.training.finetune`` run this.
+
+    python recipes/finetune.py --model runs/tiny --data docstrings --lora 8 --steps 200 --out runs/tiny-sft
+
+Examples are JSONL lines, ``{"prompt", "response"}`` or chat ``{"messages": [{"role", "content"}, ...]}`` (rendered
+with the tokenizer's chat template; :data:`DEFAULT_CHAT_TEMPLATE` when it has none, saved with the result). The
+loss covers the response (assistant) tokens and the end-of-text after them, nothing else. Whole examples are
+packed into rows (``position_ids`` restart per example; never cut unless longer than a row) and trained by the
+pretraining loop. Full fine-tuning, or LoRA (``--lora RANK``) on every linear layer; adapters are saved, or
+merged (``--merge``) and the model written in ``--format`` (default: the format it was loaded from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .config import PRECISIONS, TrainConfig
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+BUILTIN_TASKS = {"docstrings": "docstring -> function from the standard library (hybridlm.training.docstring_task)"}
+
+
+def read_examples(path: str | Path) -> list[dict]:
+    """The examples of a JSONL file, each checked to be a prompt/response pair or a chat."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file")
+    examples = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        example = json.loads(line)
+        chat = isinstance(example, dict) and isinstance(example.get("messages"), list)
+        pair = isinstance(example, dict) and all(isinstance(example.get(k), str) for k in ("prompt", "response"))
+        if not (chat or pair):
+            raise ValueError(f"{path}:{number}: an example needs string 'prompt' and 'response', or a 'messages' "
+                             "list")
+        examples.append(example)
+    if not examples:
+        raise ValueError(f"--data {path}: no examples")
+    return examples
+
+
+def _chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
+    """The rendered conversation as ``(text, trained)`` pieces: each assistant turn trained, the rest not."""
+    segments, done = [], ""
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prefix = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+        if not (prefix.startswith(done) and full.startswith(prefix)):
+            raise ValueError("the chat template does not render a conversation as a prefix of its continuation; "
+                             "the assistant turns cannot be located")
+        segments += [(prefix[len(done):], False), (full[len(prefix):], True)]
+        done = full
+    if not segments:
+        raise ValueError("a chat example has no assistant message to learn")
+    return segments
+
+
+def encode_example(tokenizer, example: dict) -> tuple[list[int], list[bool]]:
+    """Token ids and which of them are targets (response tokens and the closing end-of-text)."""
+    if "messages" in example:
+        segments = _chat_segments(tokenizer, example["messages"])
+    else:
+        segments = [(example["prompt"], False), (example["response"], True)]
+    ids, trained = [], []
+    for text, is_target in segments:
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        ids += piece
+        trained += [is_target] * len(piece)
+    return ids + [tokenizer.eos_token_id], trained + [True]
+
+
+def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
+    """Whole examples packed greedily, in order, into rows of ``seq_len`` (an example longer than a row is cut);
+    each row's tail is padding (untrained). Returns :class:`~hybridlm.training.packing.PackedRows`."""
+    import torch
+
+    from .packing import PackedRows
+
+    rows: list[tuple[list[int], list[int], list[bool]]] = []
+    ids, positions, trained = [], [], []
+
+    def close_row():
+        pad = seq_len - len(ids)
+        rows.append((ids + [pad_id] * pad, positions + list(range(pad)), trained + [False] * pad))
+
+    for example_ids, example_trained in encoded:
+        example_ids, example_trained = example_ids[:seq_len], example_trained[:seq_len]
+        if len(ids) + len(example_ids) > seq_len:
+            close_row()
+            ids, positions, trained = [], [], []
+        ids, trained = ids + example_ids, trained + example_trained
+        positions += range(len(example_ids))
+    if ids:
+        close_row()
+    columns = list(zip(*rows))
+    return PackedRows(torch.tensor(columns[0]), torch.tensor(columns[1]), torch.tensor(columns[2]))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    defaults = TrainConfig(lr=1e-4, warmup=10, steps=200, batch_size=8, eval_every=50, save_every=100)
+    add = parser.add_argument
+    add("--model", required=True,
+        help="a checkpoint directory in any format hybridlm loads (or a preset name, for a quick test)")
+    add("--data", required=True,
+        help=f"training examples: a JSONL file, or a built-in task ({', '.join(BUILTIN_TASKS)})")
+    add("--eval-data", default=None,
+        help="evaluation examples (JSONL; default: the task's held-out part, or every 10th --data example)")
+    add("--tokenizer", default=None, help="a tokenizer directory (default: the --model directory)")
+    add("--lora", type=int, default=0, help="LoRA rank; 0: full fine-tuning (default: %(default)s)")
+    add("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default: 2 x rank)")
+    add("--merge", action="store_true", help="with --lora: merge the adapters and save the whole model")
+    add("--format", default=None,
+        help="format of the saved model: hybridlm or a foreign model_type (default: the format of --model)")
+    add("--seq-len", type=int, default=512, help="tokens per packed row (default: %(default)s)")
+    add("--batch-size", type=int, default=defaults.batch_size, help="rows per optimizer step (default: %(default)s)")
+    add("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per step (default: %(default)s)")
+    add("--steps", type=int, default=defaults.steps, help="optimizer steps (default: %(default)s)")
+    add("--lr", type=float, default=defaults.lr, help="peak learning rate (default: %(default)s)")
+    add("--warmup", type=int, default=defaults.warmup, help="linear warmup steps (default: %(default)s)")
+    add("--precision", choices=PRECISIONS, default=defaults.precision, help="(default: %(default)s)")
+    add("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
+    add("--eval-every", type=int, default=defaults.eval_every, help="steps between evaluations (default: %(default)s)")
+    add("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (default: %(default)s)")
+    add("--log-every", type=int, default=defaults.log_every, help="steps between metrics rows (default: %(default)s)")
+    add("--out", type=Path, required=True, help="output directory (model or adapter, tokenizer, metrics)")
+    add("--seed", type=int, default=defaults.seed, help="(default: %(default)s)")
+    return parser
+
+
+def _examples(args) -> tuple[list[dict], list[dict]]:
+    if args.data in BUILTIN_TASKS:
+        from .docstring_task import docstring_examples
+
+        train = docstring_examples(held_out=False)
+        return train, read_examples(args.eval_data) if args.eval_data else docstring_examples(held_out=True)
+    train = read_examples(args.data)
+    if args.eval_data:
+        return train, read_examples(args.eval_data)
+    if len(train) < 2:
+        raise ValueError(f"--data {args.data}: too few examples to hold some out; pass --eval-data")
+    return [e for i, e in enumerate(train) if i % 10], train[::10]
+
+
+def _source_format(spec: str) -> str:
+    """``hybridlm`` for hybridlm's own checkpoints and presets, else the checkpoint's ``model_type``."""
+    from ..formats import is_own, read_config
+
+    if not Path(spec).is_dir():
+        return "hybridlm"
+    config = read_config(Path(spec))
+    return "hybridlm" if is_own(config) else config["model_type"]
+
+
+def check_exportable(model, fmt: str) -> None:
+    """Raise, before training, if ``model`` cannot be written as ``fmt``."""
+    from ..formats import FORMATS, check_expressible, undeclared_options
+
+    if fmt == "hybridlm":
+        return
+    target = FORMATS.get(fmt)
+    if target is None or target.from_config is None:
+        writable = sorted(name for name, f in FORMATS.items() if f.from_config is not None)
+        raise ValueError(f"--format {fmt!r}: hybridlm writes {', '.join(['hybridlm'] + writable)}")
+    check_expressible(fmt, undeclared_options(model.config, target))
+    target.from_config(model.config)
+
+
+def run(args) -> dict:
+    """Validate, encode and pack, evaluate, train, evaluate, save; returns the eval losses before and after."""
+    import torch
+
+    from .loop import evaluate, train
+    from .pretrain import build_model
+    from .tokenizer import load_tokenizer
+
+    config = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
+                         warmup=args.warmup, precision=args.precision, checkpointing=args.checkpointing,
+                         eval_every=args.eval_every, save_every=args.save_every, log_every=args.log_every,
+                         seed=args.seed, weight_decay=0.0)
+    if args.merge and not args.lora:
+        raise ValueError("--merge needs --lora")
+    if (args.out / "checkpoint").exists():
+        raise FileExistsError(f"--out {args.out} already holds a run; choose another --out")
+    tokenizer_dir = args.tokenizer or (args.model if Path(args.model).is_dir() else None)
+    if tokenizer_dir is None:
+        raise ValueError(f"--model {args.model} is not a directory: pass --tokenizer")
+    tokenizer = load_tokenizer(tokenizer_dir)
+    train_examples, eval_examples = _examples(args)
+    if tokenizer.chat_template is None and any("messages" in e for e in train_examples + eval_examples):
+        tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    model = build_model(args.model, len(tokenizer), args.seed)
+    fmt = args.format or _source_format(args.model)
+    if not args.lora or args.merge:
+        check_exportable(model, fmt)
+    limit = model.config.max_length_limit
+    if limit is not None and args.seq_len > limit:
+        raise ValueError(f"--seq-len {args.seq_len} is beyond the model's limit of {limit} positions")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = pack_examples([encode_example(tokenizer, e) for e in train_examples], args.seq_len, pad)
+    eval_rows = pack_examples([encode_example(tokenizer, e) for e in eval_examples], args.seq_len, pad)
+    if args.lora:
+        from .lora import add_lora
+
+        model = add_lora(model, args.lora, args.lora_alpha)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    print(f"{len(train_examples)} training examples in {len(rows)} rows, {len(eval_examples)} evaluation examples; "
+          f"{trainable:,} trainable parameters")
+    before = evaluate(model, eval_rows, "documents", precision=config.precision)
+    print(f"eval loss before: {before:.4f}")
+    torch.manual_seed(args.seed)
+    last = train(model, rows, config, args.out, eval_rows=eval_rows)
+    result = {"eval_loss_before": before, "eval_loss_after": last["eval_loss"], "steps": config.steps}
+    _save(model, tokenizer, args, fmt)
+    (args.out / "finetune.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+    return result
+
+
+def _save(model, tokenizer, args, fmt: str) -> None:
+    """Adapters alone (``--lora``), or the whole model in ``fmt`` (full fine-tuning, ``--lora --merge``)."""
+    if args.lora and not args.merge:
+        model.peft_config["default"].base_model_name_or_path = str(args.model)
+        model.save_pretrained(args.out)
+    else:
+        if args.lora:
+            from .lora import merge_lora
+
+            model = merge_lora(model)
+        model.save_pretrained(args.out, format=fmt)
+    tokenizer.save_pretrained(args.out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return run(add_arguments(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,13 @@
+"""Supervised fine-tuning (full or LoRA) of any checkpoint hybridlm loads, on JSONL prompt/response or chat
+examples, or on the built-in offline task (docstring -> function from the standard library):
+
+    python recipes/finetune.py --model runs/tiny --data docstrings --lora 8 --steps 200 --out runs/tiny-sft
+    python recipes/finetune.py --model jamba-dir --data chats.jsonl --lora 16 --merge --out jamba-sft  # Jamba out
+
+See docs/training.md ("Fine-tuning") for every option.
+"""
+
+from hybridlm.training.finetune import main
+
+if __name__ == "__main__":
+    main()

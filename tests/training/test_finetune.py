@@ -1,0 +1,179 @@
+"""Supervised fine-tuning: response-only targets, whole examples packed, LoRA on every linear layer (each adapter
+changes the logits), merged logits equal to the adapter model's, and end-to-end runs on a Jamba checkpoint
+(exported back to Jamba) and on a hybridlm model with chat examples (adapters saved and reloaded)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridlm.training.finetune import DEFAULT_CHAT_TEMPLATE, encode_example, main, pack_examples, read_examples
+from hybridlm.training.loop import evaluate
+from hybridlm.training.tokenizer import train_bpe_tokenizer
+
+from ..formats.compare import randomize
+from ..helpers import TINY, assert_close_rel, random_ids, relative_error, tiny_model
+
+peft = pytest.importorskip("peft")
+
+PAIRS = [{"prompt": f"def f{i}(x):\n", "response": f"    return x * {i} + {i % 3}\n"} for i in range(30)]
+CHATS = [{"messages": [{"role": "user", "content": f"double {i}"}, {"role": "assistant", "content": str(2 * i)},
+                       {"role": "user", "content": "and again"}, {"role": "assistant", "content": str(4 * i)}]}
+         for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = [e["prompt"] + e["response"] for e in PAIRS] + ["double and again user assistant 0123456789"]
+    tokenizer = train_bpe_tokenizer(texts * 4, vocab_size=300)
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _decode_targets(tokenizer, ids, trained):
+    return tokenizer.decode([i for i, t in zip(ids, trained) if t])
+
+
+def test_only_the_response_and_end_of_text_are_targets(tokenizer):
+    ids, trained = encode_example(tokenizer, PAIRS[7])
+    assert _decode_targets(tokenizer, ids, trained) == PAIRS[7]["response"] + tokenizer.eos_token
+    assert tokenizer.decode([i for i, t in zip(ids, trained) if not t]) == PAIRS[7]["prompt"]
+
+
+def test_chat_targets_are_the_assistant_turns(tokenizer):
+    ids, trained = encode_example(tokenizer, CHATS[5])
+    assert _decode_targets(tokenizer, ids, trained) == "10\n20\n" + tokenizer.eos_token
+    assert tokenizer.decode(ids) == tokenizer.apply_chat_template(CHATS[5]["messages"], tokenize=False) + \
+        tokenizer.eos_token
+
+
+def test_packing_keeps_examples_whole_and_labels_only_targets(tokenizer):
+    encoded = [encode_example(tokenizer, e) for e in PAIRS[:12]]
+    seq_len = max(len(ids) for ids, _ in encoded) * 2 + 1
+    rows = pack_examples(encoded, seq_len, tokenizer.eos_token_id)
+    batch = rows.batch(torch.arange(len(rows)), "documents")
+    starts = (batch["position_ids"] == 0).sum()
+    assert len(rows) < len(encoded) and starts >= len(encoded)  # several examples per row, none cut
+    labelled = batch["labels"][batch["labels"] != -100]
+    expected = torch.tensor([i for ids, trained in encoded for i, t in zip(ids, trained) if t])
+    assert torch.equal(labelled, expected)
+
+
+def test_bad_examples_are_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        read_examples(path)
+
+
+def _lora_model():
+    from hybridlm.training.lora import add_lora
+
+    # every weight perturbed: at initialisation the SSM paths (dt, B, C) add too little to the residual stream for
+    # a change of x_proj / dt_proj to reach the logits above float32 noise
+    base = randomize(tiny_model(seed=3, layer_pattern="MSAP", expert_layer_period=2, expert_layer_offset=1), scale=0.3)
+    return base, add_lora(base, rank=4).eval()
+
+
+def test_every_adapter_changes_the_logits():
+    """Each adapted layer on its own, its B matrix made non-zero: the logits move. Covers Mamba's and Mamba-2's
+    in/out projections, attention, Performer, dense MLPs, every MoE expert and router."""
+    from hybridlm.training.lora import lora_modules
+
+    _, model = _lora_model()
+    modules = lora_modules(model)
+    kinds = {name.split(".")[-1] for name in modules}
+    assert {"in_proj", "out_proj", "x_proj", "dt_proj", "q_proj", "o_proj", "router", "up_proj"} <= kinds
+    assert sum(".experts." in name for name in modules) == 2 * 4 * 3  # 2 MoE layers x 4 experts x gate/up/down
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        unchanged = []
+        for name, module in modules.items():
+            weight = module.lora_B["default"].weight
+            weight.normal_(generator=torch.Generator().manual_seed(len(name)))
+            if not relative_error(model(input_ids=ids).logits, reference) > 1e-3:
+                unchanged.append(name)
+            weight.zero_()
+    assert not unchanged, f"adapters without effect: {unchanged}"
+
+
+def test_merged_logits_equal_the_adapter_models():
+    from hybridlm.training.lora import lora_modules, merge_lora
+
+    base, model = _lora_model()
+    ids = random_ids(2, 24)
+    with torch.no_grad():
+        before = base(input_ids=ids).logits.clone()
+        generator = torch.Generator().manual_seed(0)
+        for module in lora_modules(model).values():
+            module.lora_B["default"].weight.normal_(std=0.05, generator=generator)
+        adapted = model(input_ids=ids).logits
+        assert relative_error(adapted, before) > 1e-2
+        merged = merge_lora(model)
+        assert type(merged).__name__ == "HybridForCausalLM" and not lora_modules(merged)
+        assert_close_rel(merged(input_ids=ids).logits, adapted, rel=1e-5)
+
+
+def _write_jsonl(path, examples):
+    path.write_text("".join(json.dumps(e) + "\n" for e in examples))
+    return path
+
+
+def _common(tmp_path, data, **flags):
+    argv = ["--data", str(data), "--seq-len", "64", "--batch-size", "4", "--steps", "8", "--lr", "3e-3",
+            "--warmup", "0", "--eval-every", "100", "--save-every", "100", "--log-every", "4", "--out",
+            str(tmp_path / "out")]
+    for name, value in flags.items():
+        argv += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return argv
+
+
+@pytest.mark.slow
+def test_lora_merge_on_a_jamba_checkpoint_exports_to_jamba(tokenizer, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from tests.formats.compare import tiny_transformers_model
+    from tests.formats.test_jamba import tiny_jamba_config
+
+    source = tmp_path / "jamba"
+    tiny_transformers_model(transformers.JambaForCausalLM, tiny_jamba_config(vocab_size=300)).save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    result = main(["--model", str(source)] + _common(tmp_path, _write_jsonl(tmp_path / "d.jsonl", PAIRS),
+                                                      lora=4, merge=True))
+    assert result["eval_loss_after"] < result["eval_loss_before"]
+    out = tmp_path / "out"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "jamba"
+    import hybridlm
+
+    ours = hybridlm.load(out).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert isinstance(theirs, transformers.JambaForCausalLM)
+    ids = random_ids(2, 13, vocab=300)
+    with torch.no_grad():
+        assert_close_rel(theirs(ids).logits, ours(input_ids=ids).logits, rel=1e-4)
+        original = hybridlm.load(source).eval()(input_ids=ids).logits
+    assert relative_error(ours(input_ids=ids).logits.detach(), original) > 1e-4  # the fine-tuning is in it
+
+
+@pytest.mark.slow
+def test_chat_lora_adapters_save_and_reload(tokenizer, tmp_path):
+    from hybridlm.training.finetune import pack_examples as pack
+    from hybridlm.training.pretrain import build_model
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(TINY, layer_pattern="SA")))
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(tokenizer_dir)
+    data = _write_jsonl(tmp_path / "chat.jsonl", CHATS[:24])
+    held_out = _write_jsonl(tmp_path / "chat_eval.jsonl", CHATS[24:])
+    result = main(["--model", str(config), "--tokenizer", str(tokenizer_dir)]
+                  + _common(tmp_path, data, eval_data=held_out, lora=4, seed=5))
+    out = tmp_path / "out"
+    assert (out / "adapter_config.json").is_file() and (out / "adapter_model.safetensors").is_file()
+    base = build_model(str(config), len(tokenizer), seed=5)
+    reloaded = peft.PeftModel.from_pretrained(base, out)
+    rows = pack([encode_example(tokenizer, e) for e in CHATS[24:]], 64, tokenizer.eos_token_id)
+    assert evaluate(reloaded, rows, "documents") == pytest.approx(result["eval_loss_after"], rel=1e-5)
+    assert result["eval_loss_after"] < result["eval_loss_before"]
