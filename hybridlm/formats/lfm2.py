@@ -1,5 +1,6 @@
 """LFM2 (Liquid AI): gated short convolutions (``short_conv``) and GQA attention with RMS-normed query and key
-heads, each layer followed by a SwiGLU MLP. Read and written.
+heads, each layer followed by a SwiGLU MLP. Read and written. LFM2-MoE (``lfm2_moe``, read only): the same
+layers, the MLPs after the first ``num_dense_layers`` replaced by a sigmoid-routed MoE with a selection bias.
 
 Names: ``operator_norm`` / ``ffn_norm`` are the pre-mixer and pre-MLP norms, ``embedding_norm`` the final norm
 (despite its name), ``feed_forward.w1 / w3 / w2`` the gate / up / down projections. The MLP width a config
@@ -7,6 +8,8 @@ states is adjusted by transformers (``block_auto_adjust_ff_dim``); the width bui
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..config import HybridConfig
 from .base import (
@@ -41,8 +44,10 @@ def decoder_rules(config: HybridConfig) -> RenameRules:
         ("lm_head.weight", "lm_head.weight"),
         (f"{layer}.operator_norm.weight", f"{layer}.input_layernorm.weight"),
         (f"{layer}.ffn_norm.weight", f"{layer}.pre_mlp_layernorm.weight"),
-        *[(f"{layer}.feed_forward.{theirs}.weight", f"{layer}.mlp.{ours}_proj.weight")
-          for theirs, ours in (("w1", "gate"), ("w3", "up"), ("w2", "down"))],
+        *[(f"{layer}.feed_forward.{expert}{theirs}.weight", f"{layer}.mlp.{expert}{ours}_proj.weight")
+          for theirs, ours in (("w1", "gate"), ("w3", "up"), ("w2", "down")) for expert in ("", "experts.{e}.")],
+        (f"{layer}.feed_forward.gate.weight", f"{layer}.mlp.router.weight"),
+        (f"{layer}.feed_forward.expert_bias", f"{layer}.mlp.expert_bias"),
         (f"{layer}.self_attn.out_proj.weight", f"{layer}.mixer.o_proj.weight"),
         (f"{layer}.self_attn.q_layernorm.weight", f"{layer}.mixer.q_norm.weight"),
         (f"{layer}.self_attn.k_layernorm.weight", f"{layer}.mixer.k_norm.weight"),
@@ -63,22 +68,35 @@ def mlp_width(fc: dict) -> int:
 
 def to_config(foreign_config: dict) -> HybridConfig:
     fc = with_transformers_defaults(foreign_config)
+    model_type = fc["model_type"]
     unknown = sorted(set(fc["layer_types"]) - set(LAYER_KINDS))
     if unknown:
-        raise ValueError(f"lfm2 config: layer_types {unknown} are not supported (hybridlm reads {sorted(LAYER_KINDS)})")
+        raise ValueError(f"{model_type} config: layer_types {unknown} are not supported (hybridlm reads "
+                         f"{sorted(LAYER_KINDS)})")
+    n = fc["num_hidden_layers"]
+    if model_type == "lfm2":
+        mlp = dict(mlp_types=["dense"] * n, intermediate_size=mlp_width(fc))
+    else:  # lfm2_moe: the dense width as stated; sigmoid routing (the selection bias is zero without use_expert_bias)
+        mlp = dict(mlp_types=["dense" if i < fc["num_dense_layers"] else "moe" for i in range(n)],
+                   intermediate_size=fc["intermediate_size"], moe_intermediate_size=fc["moe_intermediate_size"],
+                   num_experts=fc["num_experts"], num_experts_per_tok=fc["num_experts_per_tok"],
+                   moe_router="sigmoid", moe_renormalize=fc["norm_topk_prob"],
+                   moe_routed_scaling=float(fc["routed_scaling_factor"]))
     return HybridConfig(
         **FIELDS.to_ours(fc),
         **rope_settings(fc),
+        **mlp,
         layer_types=[LAYER_KINDS[kind] for kind in fc["layer_types"]],
-        mlp_types=["dense"] * fc["num_hidden_layers"],
-        intermediate_size=mlp_width(fc),
         head_dim=fc["hidden_size"] // fc["num_attention_heads"],
         attention_qk_norm=True,
     )
 
 
 def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
-    return rename_state(state, decoder_rules(config))
+    state = rename_state(state, decoder_rules(config))
+    for i in positions(config.mlp_types, "moe"):  # without use_expert_bias: a zero selection bias
+        state.setdefault(f"model.layers.{i}.mlp.expert_bias", torch.zeros(config.num_experts))
+    return state
 
 
 def from_config(config: HybridConfig) -> dict:
@@ -116,5 +134,6 @@ def export_weights(state: StateDict, config: HybridConfig) -> StateDict:
 
 FORMAT = register(CheckpointFormat("lfm2", to_config, import_weights, from_config, export_weights,
                                    options=frozenset({"attention_qk_norm"})))
+MOE_FORMAT = register(CheckpointFormat("lfm2_moe", to_config, import_weights))
 
-__all__ = ["FORMAT"]
+__all__ = ["FORMAT", "MOE_FORMAT"]

@@ -68,3 +68,19 @@ def test_export_refuses_what_lfm2_cannot_hold(tmp_path):
                                    mamba2_head_dim=8)
     with pytest.raises(ValueError, match=r"cannot be written as lfm2: .*\['mamba2'\].*attention_qk_norm=False"):
         hybridlm.HybridForCausalLM(config).save_pretrained(tmp_path, format="lfm2")
+
+
+@pytest.mark.parametrize("use_expert_bias", [True, False])
+def test_lfm2_moe_runs_like_transformers(tmp_path, use_expert_bias):
+    config = transformers.Lfm2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1, num_experts=6, num_experts_per_tok=2,
+        layer_types=["conv", "full_attention", "conv", "conv"], routed_scaling_factor=1.5,
+        use_expert_bias=use_expert_bias, tie_word_embeddings=False, pad_token_id=0)
+    hf = tiny_transformers_model(transformers.Lfm2MoeForCausalLM, config)
+    if use_expert_bias:  # a selection bias that changes which experts win
+        for layer in hf.model.layers[1:]:
+            layer.feed_forward.expert_bias.normal_(0, 0.3)
+    ours = save_and_load(hf, tmp_path)
+    assert ours.config.mlp_types == ["dense", "moe", "moe", "moe"] and ours.config.moe_router == "sigmoid"
+    check_all(hf, ours, VOCAB)
