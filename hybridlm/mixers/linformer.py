@@ -21,6 +21,7 @@ from torch import nn
 from .. import ops
 from ..cache import CompressedKVState
 from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register, zero_padding
+from .segments import check_stateless
 
 PREFIX_REDUCTIONS = ("mean", "sum")
 
@@ -68,7 +69,15 @@ class Linformer(Mixer):
                                  values=torch.zeros(shape, device=device, dtype=torch.float32),
                                  tokens=torch.zeros(batch_size, device=device, dtype=torch.long))
 
-    def forward(self, x, state: CompressedKVState | None = None, *, mask=None, positions=None):
+    def forward(self, x, state: CompressedKVState | None = None, *, mask=None, positions=None, segments=None):
+        packed, counted = {}, None  # packed documents: one row, sums and token counts restarting at each
+        if segments is not None:
+            check_stateless("linformer", state, mask)
+            if not self.causal:
+                raise ValueError("a bidirectional Linformer (linformer_causal=False) cannot take packed documents")
+            counted = segments.one_row(segments.positions()) + 1  # [1, batch * time]: tokens so far, per document
+            positions = segments.one_row(positions if positions is not None else segments.positions())
+            x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         if positions is None:
             first = state.seen if state is not None else 0
@@ -88,18 +97,20 @@ class Linformer(Mixer):
             return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))
         real = torch.ones_like(positions) if mask is None else mask.long()  # [b, t]
         tokens = real.cumsum(-1) + (state.tokens[:, None] if state is not None else 0)  # [b, t]: summed so far
+        tokens = tokens if counted is None else counted
         # a query before any real token (padding) sees empty sums: dividing them by 1 keeps them empty
         normalizer = tokens.clamp_min(1) if self.prefix_reduction == "mean" else None
         out, (keys, values) = ops.causal_compressed_attention(
             q, k, v, e, f, scale=scale, normalizer=normalizer,
-            initial_state=(state.keys, state.values) if state is not None else None,
+            initial_state=(state.keys, state.values) if state is not None else None, **packed,
         )  # out [b, h, t, d]
         if state is not None:
             state.keys.copy_(keys)
             state.values.copy_(values)
             state.tokens.copy_(tokens[:, -1])
             state.seen += time
-        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))
+        out = self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))  # [batch, time, hidden]
+        return out if segments is None else segments.rows(out)
 
     def _check_positions(self, positions: torch.Tensor) -> None:
         """Positions index the columns of E and F: they must lie in ``[0, linformer_max_length)``."""

@@ -29,6 +29,7 @@ from torch import nn
 from .. import ops
 from ..cache import LinearAttentionState
 from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register
+from .segments import check_stateless
 
 
 def orthogonal_random_features(features: int, dim: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -46,7 +47,8 @@ def new_feature_seed() -> torch.Tensor:
     return torch.randint(0, 2**62, (), dtype=torch.long)
 
 
-def stabilised_keys(log_k: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def stabilised_keys(log_k: torch.Tensor, previous: torch.Tensor,
+                    segments=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Key features relative to the running maximum of the key log-features, and the state's decay per step.
 
     ``log_k [batch, heads, time, features]`` (-inf for padding), ``previous [batch, heads]``: the maximum before
@@ -54,8 +56,12 @@ def stabilised_keys(log_k: torch.Tensor, previous: torch.Tensor) -> tuple[torch.
     with ``m_t`` the running maximum), ``log_decay [batch, heads, time]`` (``m_{t-1} - m_t <= 0``, the factor
     that moves the state to the new reference) and ``running [batch, heads, time]`` (``m_t``). While a row has
     seen no real key its state is empty, so it needs no decay and its reference can be anything (0 here).
+    With packed documents (``segments``, rows laid end to end) the running maximum restarts at each document;
+    the decay at a document's first token does not matter: the scan forgets the state there.
     """
-    running = torch.maximum(log_k.amax(-1).cummax(-1).values, previous.unsqueeze(-1))  # [b, h, t]
+    peaks = log_k.amax(-1)  # [b, h, t]
+    so_far = peaks.cummax(-1).values if segments is None else segments.running_max(peaks)  # [b, h, t]
+    running = torch.maximum(so_far, previous.unsqueeze(-1))  # [b, h, t]
     before = torch.cat([previous.unsqueeze(-1), running[..., :-1]], dim=-1)  # [b, h, t]: m_{t-1}
     log_decay = torch.where(before.isfinite(), before - running, 0.0)  # [b, h, t]
     reference = running.nan_to_num(neginf=0.0)  # [b, h, t]
@@ -114,7 +120,11 @@ class Performer(Mixer):
         x = x.float() * self.head_dim**-0.25
         return x @ self.projection.float().T - x.square().sum(-1, keepdim=True) / 2
 
-    def forward(self, x, state: LinearAttentionState | None = None, *, mask=None, positions=None):
+    def forward(self, x, state: LinearAttentionState | None = None, *, mask=None, positions=None, segments=None):
+        packed = {}
+        if segments is not None:  # packed documents: one row, sums and stabiliser restarting at each
+            check_stateless("performer", state, mask)
+            x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         q, k, v = (proj(x).view(batch, time, self.num_heads, -1).transpose(1, 2)  # [b, h, t, d]
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
@@ -124,15 +134,16 @@ class Performer(Mixer):
         if mask is not None:  # a padded key has zero features and does not move the running maximum
             log_k = log_k.masked_fill(~mask[:, None, :, None], -torch.inf)
         previous = state.max if state is not None else log_k.new_full((batch, self.num_heads), -torch.inf)
-        k_feat, log_decay, running = stabilised_keys(log_k, previous)
+        k_feat, log_decay, running = stabilised_keys(log_k, previous, segments)
         ones = v.new_ones(batch, self.num_heads, time, 1, dtype=torch.float32)
         v_ones = torch.cat([v.float(), ones], dim=-1)  # [b, h, t, d + 1]: the last column sums the normaliser
         out, final = ops.causal_linear_attention(
-            q_feat, k_feat, v_ones, log_decay, initial_state=state.kv if state is not None else None
+            q_feat, k_feat, v_ones, log_decay, initial_state=state.kv if state is not None else None, **packed
         )  # [b, h, t, d + 1]
         if state is not None:
             state.kv.copy_(final)
             state.max.copy_(running[..., -1])
         # the normaliser is 0 only for a query with no real key at or before it (padding): its output is then 0
         out = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(torch.float32).tiny)
-        return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))
+        out = self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))  # [batch, time, hidden]
+        return out if segments is None else segments.rows(out)

@@ -59,13 +59,26 @@ class Segments:
         seq_idx = torch.repeat_interleave(torch.arange(len(lengths), device=bounds.device), lengths)
         return cls.from_seq_idx(seq_idx[None])
 
+    def documents(self) -> torch.Tensor:
+        """``[batch * time]``: each token's document number with the rows laid end to end."""
+        flat = torch.arange(self.seq_idx.numel(), device=self.seq_idx.device)
+        return torch.searchsorted(self.cu_seqlens[:-1], flat, right=True) - 1
+
     def positions(self) -> torch.Tensor:
         """``[batch, time]``: each token's position in its own document."""
-        time = self.seq_idx.shape[1]
         flat = torch.arange(self.seq_idx.numel(), device=self.seq_idx.device)
-        starts = self.cu_seqlens[:-1]
-        document = torch.searchsorted(starts, flat, right=True) - 1
-        return (flat - starts[document]).view(-1, time)
+        return (flat - self.cu_seqlens[self.documents()]).view(self.seq_idx.shape)
+
+    def running_max(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., batch * time]`` laid out by :meth:`one_row`: the maximum so far within each document. Each
+        of the log2(time) steps looks twice as far back, within the document (documents are contiguous)."""
+        document, result, step = self.documents(), x, 1
+        while step < x.shape[-1]:
+            same = document[step:] == document[:-step]  # [n - step]
+            ahead = torch.where(same, torch.maximum(result[..., step:], result[..., :-step]), result[..., step:])
+            result = torch.cat([result[..., :step], ahead], dim=-1)
+            step *= 2
+        return result
 
     def one_row(self, x: torch.Tensor) -> torch.Tensor:
         """``x [batch, time, ...]`` as one row ``[1, batch * time, ...]`` (no copy); documents stay apart by

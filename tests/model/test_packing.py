@@ -162,3 +162,18 @@ def test_packing_with_a_padding_mask_is_refused():
     mask[0, -2:] = 0
     with pytest.raises(ValueError, match="no padding attention_mask"):
         model(random_ids(1, 10), attention_mask=mask, cu_seqlens=torch.tensor([0, 3, 10]))
+
+
+def test_performer_stabiliser_restarts_at_each_document():
+    """A document of moderate keys followed by one of huge keys (log-features near -3e4): carried over, the first
+    document's running maximum would scale the second's features to exp(-3e4) = 0, and its output to 0."""
+    from hybridlm.mixers.segments import Segments
+
+    performer = tiny_model(0, layer_pattern="P").model.layers[0].mixer
+    torch.manual_seed(0)
+    quiet, loud = 0.05 * torch.randn(1, 5, 32), 3000 * torch.randn(1, 6, 32)
+    segments = Segments.from_cu_seqlens(torch.tensor([0, 5, 11]), 1, 11)
+    with torch.no_grad():
+        packed = performer(torch.cat([quiet, loud], dim=1), segments=segments)
+        assert_close_rel(packed[:, :5], performer(quiet))
+        assert_close_rel(packed[:, 5:], performer(loud))
