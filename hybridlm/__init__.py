@@ -15,6 +15,7 @@ import sys
 
 #: Public name -> the module defining it.
 _PUBLIC = {
+    "CachePolicy": "kv.policy",
     "HybridCache": "cache",
     "HybridConfig": "config",
     "HybridForCausalLM": "model",

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from . import ops
-from .cache import HybridCache, KVState, StateGroup
+from .cache import HybridCache, KVLayout, StateGroup
 from .model import HybridForCausalLM
 
 
@@ -63,16 +63,26 @@ def _fill_state(state, context: int, generator) -> None:
     if isinstance(state, StateGroup):
         for part in state.parts.values():
             _fill_state(part, context, generator)
-        return
-    for tensor in state._tensors().values():
-        if tensor.is_floating_point():
-            tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.1)
-    if isinstance(state, KVState):
-        held = context if state.window is None else min(context, state.window - 1)
-        if state.keys.shape[2] < held:
-            state.append(*(torch.randn(*state.keys.shape[:2], held - state.keys.shape[2], state.keys.shape[3],
-                                       dtype=state.keys.dtype) for _ in range(2)))
-        state.length, state.start = held, context - held
+    elif isinstance(state, KVLayout):
+        _fill_kv(state, context, generator)
+    else:
+        for tensor in state._tensors().values():
+            if tensor.is_floating_point():
+                tensor.copy_(torch.randn(tensor.shape, generator=generator, dtype=tensor.dtype) * 0.1)
+
+
+def _fill_kv(state: KVLayout, context: int, generator, chunk: int = 4096) -> None:
+    """Random keys and values through the layout's own ``update`` (so a quantized or bounded layout holds what
+    it would after ``context`` tokens), ``chunk`` tokens at a time; uniform attention for H2O's mass."""
+    batch = state.padding.shape[0]
+    for first in range(0, context, chunk):
+        time = min(chunk, context - first)
+        keys, values = (torch.randn(batch, state.kv_heads, time, state.head_dim, generator=generator,
+                                    dtype=state.dtype) * 0.1 for _ in range(2))
+        view = state.update(keys, values, torch.arange(first, first + time).expand(batch, time), None, None)
+        if state.needs_attention_probs:
+            n = view.keys.shape[2]
+            state.observe(torch.full((batch, state.kv_heads, 1, n), 1.0 / n))
 
 
 @torch.no_grad()

@@ -3,15 +3,17 @@
 Every state keeps its batch rows on dim 0 of each tensor, so selecting rows (beam search, dropping finished
 sequences), cloning and moving devices are the same operation for every kind. Sizes, per batch row:
 
-* ``KVState`` (attention): keys and values ``[kv_heads, length, head_dim]`` plus an int64 padding count:
-  ``2 * kv_heads * length * head_dim * e + 8``.
+* ``KVState`` (attention, the contiguous layout): keys and values ``[kv_heads, length, head_dim]`` plus an
+  int64 padding count: ``2 * kv_heads * length * head_dim * e + 8``. The other KV layouts (ring window,
+  sinks + window, quantized, heavy hitters: :mod:`hybridlm.kv`) each state their own formula in
+  ``predicted_nbytes``.
 * ``SSMState`` (Mamba, Mamba-2): conv window ``[conv_channels, width - 1]`` in the model dtype and the fp32
   recurrent state: ``conv_channels * (width - 1) * e + 4 * state_elements``.
 * ``LinearAttentionState`` (Performer) and ``CompressedKVState`` (causal Linformer): fixed-shape fp32 running
   sums, ``4 * elements`` (the Linformer's also an int64 token count: ``+ 8``).
 
 ``e`` is the element size of the model dtype; ``length`` the number of token slots held (every token seen
-for full attention, at most ``window - 1`` for a sliding window). Recurrent states are kept in fp32 whatever
+for full attention, at most ``window - 1`` for a sliding window's ring). Recurrent states are kept in fp32 whatever
 the model dtype, as mamba-ssm does for the scan.
 """
 
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -71,36 +74,116 @@ class LayerState:
 
 
 @dataclasses.dataclass
-class KVState(LayerState):
-    """Keys and values of an attention layer.
+class KVView:
+    """What a KV layout hands attention for one forward: the keys and values to attend over and, per key, its
+    absolute slot and whether it holds a real token. Attention builds its mask from these (causal by slot,
+    ``window`` by slot unless ``pinned``, never an invalid key) and rotates its queries by
+    ``query_positions``; it never reads a layout's internals.
+
+    ``keys, values [batch, kv_heads, n, head_dim]``; ``slots``: ``[n]`` or ``[batch, kv_heads, n]``;
+    ``valid`` and ``pinned``: None or broadcastable to ``[batch, kv_heads, n]``; ``query_slots [time]``;
+    ``query_positions [batch, time]``. ``in_order``: the keys are slots ``0..n-1``, so without padding or a
+    window causality alone decides (SDPA's own causal path, or no mask for one query)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    valid: torch.Tensor | None
+    query_slots: torch.Tensor
+    query_positions: torch.Tensor
+    window: int | None = None
+    pinned: torch.Tensor | None = None
+    in_order: bool = False
+
+
+class KVLayout(LayerState):
+    """Base of the attention states (one subclass per layout: contiguous, ring window, sinks + window,
+    quantized, heavy hitters). A layout stores keys and values its own way and answers :meth:`update`.
+
+    Every layout has ``padding [batch]`` (leading padding slots per row; padding only ever precedes a row's
+    first real token, so slot ``s`` of row ``b`` is real iff ``s >= padding[b]``), ``has_padding`` (a Python
+    flag, so that decode needs no device sync) and ``seen`` (token slots seen, padding included)."""
+
+    #: a layout that needs the attention probabilities of each forward (passed to :meth:`observe`)
+    needs_attention_probs: ClassVar[bool] = False
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               rotate: Rotate | None, mask: torch.Tensor | None) -> KVView:
+        """Take the new ``keys, values [batch, kv_heads, time, head_dim]`` (not yet rotated) at ``positions
+        [batch, time]``; return what the new queries attend over. ``rotate(x, positions)`` applies the rotary
+        embedding (None without one); ``mask [batch, time]`` marks the new real tokens."""
+        raise NotImplementedError
+
+    def observe(self, probs: torch.Tensor) -> None:
+        """The attention probabilities ``[batch, q_heads, time, n]`` over the last view's keys."""
+
+    def predicted_nbytes(self, tokens: int) -> int:
+        """``nbytes()`` once ``tokens`` token slots have been seen (the formula the tests check)."""
+        raise NotImplementedError
+
+    @property
+    def end(self) -> int:
+        """Absolute slot after the last one seen."""
+        return self.seen
+
+    def describe(self) -> tuple:
+        """The same for every layout (``kv_heads``, ``head_dim`` and ``dtype`` are properties of each): a
+        cache made under any policy serves the same model."""
+        return (("kv", self.kv_heads, self.head_dim, self.dtype),)
+
+    def _count_padding(self, mask: torch.Tensor | None) -> None:
+        if mask is not None:
+            self.padding = self.padding + (~mask).sum(-1)
+            self.has_padding = True
+
+    def _validity(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """``slots >= padding`` per row (None when no row has padding); ``slots [n]`` or ``[batch, heads, n]``."""
+        if not self.has_padding:
+            return None
+        return slots >= self.padding.view(-1, 1, 1)  # [batch, 1 or heads, n]
+
+
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass
+class KVState(KVLayout):
+    """The contiguous layout (full attention, no policy): every key and value kept in full precision.
 
     ``keys``/``values`` are ``[batch, kv_heads, capacity, head_dim]`` buffers of which the first ``length``
     slots are filled (``nbytes`` counts those; ``reserved_nbytes`` the capacity). Capacity is preallocated when
-    the maximum length is known, and otherwise grows by half when full. ``start`` is the absolute slot of buffer
-    slot 0 (non-zero once a sliding window has dropped old slots). ``padding`` counts each row's leading padding
-    slots: slot ``s`` of row ``b`` holds a real token iff ``s >= padding[b]``.
-    """
+    the maximum length is known, and otherwise grows by half when full. Keys are stored rotated."""
 
     keys: torch.Tensor
     values: torch.Tensor
     padding: torch.Tensor
     length: int = 0
-    start: int = 0
-    window: int | None = None
-    has_padding: bool = False  # any padding seen (a Python flag, so decode needs no device sync to know)
+    has_padding: bool = False
 
     @classmethod
-    def empty(cls, batch_size, kv_heads, head_dim, *, capacity=0, window=None, device=None, dtype=None):
+    def empty(cls, batch_size, kv_heads, head_dim, *, capacity=0, device=None, dtype=None):
         shape = (batch_size, kv_heads, capacity, head_dim)
         return cls(
             keys=torch.zeros(shape, device=device, dtype=dtype),
             values=torch.zeros(shape, device=device, dtype=dtype),
             padding=torch.zeros(batch_size, dtype=torch.long, device=device),
-            window=window,
         )
 
-    def _growing(self) -> tuple[str, ...]:
-        return ("keys", "values")
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def seen(self) -> int:
+        return self.length
 
     def nbytes(self) -> int:
         used = self.keys[:, :, : self.length]
@@ -109,10 +192,19 @@ class KVState(LayerState):
     def reserved_nbytes(self) -> int:
         return super().nbytes()
 
-    @property
-    def end(self) -> int:
-        """Absolute slot after the last filled one: the number of slots this layer has seen."""
-        return self.start + self.length
+    def predicted_nbytes(self, tokens: int) -> int:
+        batch, heads, _, dim = self.keys.shape
+        return batch * (2 * heads * tokens * dim * self.keys.element_size() + self.padding.element_size())
+
+    def update(self, keys, values, positions, rotate, mask) -> KVView:
+        first, time = self.length, keys.shape[2]
+        if rotate is not None:
+            keys = rotate(keys, positions)
+        self._count_padding(mask)
+        held_keys, held_values = self.append(keys, values)
+        slots = torch.arange(self.length, device=keys.device)
+        return KVView(held_keys, held_values, slots, self._validity(slots),
+                      query_slots=slots[first:first + time], query_positions=positions, in_order=True)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``keys, values [batch, kv_heads, new, head_dim]``; returns all held keys and values."""
@@ -130,17 +222,6 @@ class KVState(LayerState):
         grown = buffer.new_zeros(*buffer.shape[:2], capacity, buffer.shape[3])
         grown[:, :, : self.length] = buffer[:, :, : self.length]
         return grown
-
-    def trim_to_window(self) -> None:
-        """Keep only the ``window - 1`` most recent slots: all that a later token can attend to."""
-        if self.window is None or self.length <= self.window - 1:
-            return
-        keep = self.window - 1
-        drop = self.length - keep
-        self.keys = self.keys[:, :, drop : self.length].clone()
-        self.values = self.values[:, :, drop : self.length].clone()
-        self.start += drop
-        self.length = keep
 
 
 @dataclasses.dataclass
@@ -216,6 +297,7 @@ class HybridCache:
         self.signature = signature
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.seen = 0
+        self.policy = None  # the CachePolicy the states were made under (None: the default layouts)
 
     # --- sizes ----------------------------------------------------------------------------------
 
@@ -276,7 +358,7 @@ class HybridCache:
     def _shell(self, states: list[LayerState]) -> HybridCache:
         new = HybridCache.__new__(HybridCache)
         new.states, new.layer_types, new.signature, new.seen = states, self.layer_types, self.signature, self.seen
-        new.linear = self.linear
+        new.policy, new.linear = self.policy, self.linear
         return new
 
     # --- bookkeeping after a forward ------------------------------------------------------------

@@ -82,11 +82,13 @@ def left_pad(prompts: Sequence[Sequence[int]] | torch.Tensor, pad_token_id: int 
 class IncrementalDecoder:
     """Generates from a :class:`~hybridlm.HybridForCausalLM` with chunked prefill and cached decode."""
 
-    def __init__(self, model, prefill_chunk_size: int = 512):
+    def __init__(self, model, prefill_chunk_size: int = 512, cache_policy=None):
+        """``cache_policy``: a :class:`~hybridlm.CachePolicy` for the caches this decoder makes."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be >= 1")
         self.model = model
         self.prefill_chunk_size = prefill_chunk_size
+        self.cache_policy = cache_policy
 
     @property
     def device(self) -> torch.device:
@@ -101,7 +103,7 @@ class IncrementalDecoder:
         ids = ids.to(self.device)
         mask = mask.to(self.device) if mask is not None else None
         if cache is None:
-            cache = self.model.new_cache(ids.shape[0], max_length=ids.shape[1] + reserve)
+            cache = self.model.new_cache(ids.shape[0], max_length=ids.shape[1] + reserve, policy=self.cache_policy)
         logits = None
         for start in range(0, ids.shape[1], self.prefill_chunk_size):
             stop = start + self.prefill_chunk_size

@@ -6,9 +6,11 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..cache import KVState
+from ..cache import KVLayout, KVState, KVView
+from ..kv.layouts import RingKV
 from ..layers.norms import RMSNorm
 from ..layers.rotary import RotaryEmbedding
+from ..ops.attention import attention_with_probs, slot_mask
 from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
 from .segments import check_stateless
 
@@ -61,13 +63,16 @@ class Attention(Mixer):
         self.gate_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias) \
             if config.attention_output_gate else None
 
-    def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> KVState:
-        """Preallocates ``max_length`` slots when given (a sliding window keeps ``window - 1`` at most)."""
-        capacity = max_length if max_length and self.window is None else 0
-        return KVState.empty(batch_size, self.num_kv_heads, self.head_dim, capacity=capacity, window=self.window,
+    def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> KVLayout:
+        """Preallocates ``max_length`` slots when given; a sliding window writes into a ring of ``window``
+        slots instead (a cache policy may swap in another layout: :mod:`hybridlm.kv`)."""
+        if self.window is not None:
+            return RingKV.empty(batch_size, self.num_kv_heads, self.head_dim, window=self.window, device=device,
+                                dtype=dtype)
+        return KVState.empty(batch_size, self.num_kv_heads, self.head_dim, capacity=max_length or 0,
                              device=device, dtype=dtype)
 
-    def forward(self, x, state: KVState | None = None, *, mask=None, positions=None, segments=None):
+    def forward(self, x, state: KVLayout | None = None, *, mask=None, positions=None, segments=None):
         gate = self.gate_proj(x) if self.gate_proj is not None else None
         return self.attend(*self.project(x), state, mask=mask, positions=positions, segments=segments, gate=gate)
 
@@ -75,58 +80,56 @@ class Attention(Mixer):
         """Queries, keys and values ``[batch, time, heads * head_dim]`` of ``x``."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def attend(self, q, k, v, state: KVState | None = None, *, mask=None, positions=None,
+    def attend(self, q, k, v, state: KVLayout | None = None, *, mask=None, positions=None,
                segments=None, gate=None) -> torch.Tensor:
-        """Attention of projected ``q, k, v`` (see :meth:`project`), through ``o_proj``. With packed documents
-        (``segments``) a query sees only its own document's keys. ``gate [batch, time, heads * head_dim]``: the
-        output gate's pre-activation (with ``attention_output_gate``)."""
+        """Attention of projected ``q, k, v`` (see :meth:`project`), through ``o_proj``. With a state, the state
+        takes the new keys and values and hands back what to attend over (a :class:`KVView`). With packed
+        documents (``segments``) a query sees only its own document's keys. ``gate [batch, time, heads *
+        head_dim]``: the output gate's pre-activation (with ``attention_output_gate``)."""
         if segments is not None:
             check_stateless("attention", state, mask)
         batch, time, _ = q.shape
-        q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [b, h, t, d]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        first = state.end if state is not None else 0  # slot of the first new token
-        if self.rotary is not None:
-            if positions is None:
-                positions = torch.arange(first, first + time, device=q.device).expand(batch, time)
-            cos, sin = self.rotary.cos_sin(positions, q.dtype)
-            q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
-
+        if positions is None:
+            first = state.end if state is not None else 0
+            positions = torch.arange(first, first + time, device=q.device).expand(batch, time)
+        rotate = self._rotate if self.rotary is not None else None
         if state is None:
-            keys, values, key_start, cached_padding, padded_before = k, v, 0, None, False
+            view = self._parallel_view(k, v, positions, rotate, mask)
         else:
-            key_start, cached_padding, padded_before = state.start, state.padding, state.has_padding
-            keys, values = state.append(k, v)
-        # Without padding, a window or earlier keys, causality is SDPA's own (much faster than an explicit mask).
-        needs_mask = mask is not None or padded_before or self.window is not None or (time > 1 and keys.shape[2] > time)
-        allowed = None
-        if needs_mask:
-            allowed = self._allowed(time, first, key_start, keys.shape[2], cached_padding, mask, q.device)
+            view = state.update(k, v, positions, rotate, mask)
+        if rotate is not None:
+            q = rotate(q, view.query_positions)
         packed = {} if segments is None else {"seq_idx": segments.seq_idx}
-        out = ops.attention(q, keys, values, mask=allowed, causal=allowed is None and time > 1, scale=self.scale,
-                            **packed)
-
-        if state is not None:
-            if mask is not None:
-                state.padding = state.padding + (~mask).sum(-1)
-                state.has_padding = True
-            state.trim_to_window()
-        out = out.transpose(1, 2).reshape(batch, time, -1)
+        out = self._attend_view(q, view, state, packed).transpose(1, 2).reshape(batch, time, -1)
         return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
 
-    def _allowed(self, time, first, key_start, n_keys, cached_padding, mask, device) -> torch.Tensor:
-        """Boolean ``[batch, 1, time, n_keys]``: causal, inside the window, and not a padded key."""
-        q_slots = torch.arange(first, first + time, device=device)
-        k_slots = torch.arange(key_start, key_start + n_keys, device=device)
-        allowed = k_slots <= q_slots[:, None]
-        if self.window is not None:
-            allowed = allowed & (q_slots[:, None] - k_slots < self.window)
-        cached = n_keys - time
-        key_ok = mask if mask is not None else torch.ones(1, time, dtype=torch.bool, device=device)
-        if cached:
-            held = k_slots[:cached] >= cached_padding[:, None]  # [batch, cached]
-            key_ok = torch.cat([held, key_ok.expand(held.shape[0], time)], dim=-1)
-        allowed = allowed & key_ok[:, None, :]
-        allowed = allowed | (k_slots == q_slots[:, None])  # a padded query sees itself: finite, never read
-        return allowed.unsqueeze(1)
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        return RotaryEmbedding.rotate(x, cos, sin)
+
+    def _parallel_view(self, k, v, positions, rotate, mask) -> KVView:
+        """The training form: the keys are the new tokens themselves."""
+        slots = torch.arange(k.shape[2], device=k.device)
+        keys = rotate(k, positions) if rotate is not None else k
+        valid = mask[:, None, :] if mask is not None else None  # [batch, 1, time]
+        return KVView(keys, v, slots, valid, query_slots=slots, query_positions=positions, window=self.window,
+                      in_order=True)
+
+    def _attend_view(self, q, view: KVView, state, packed) -> torch.Tensor:
+        """``q [batch, heads, time, head_dim]`` over the view's keys, masked by slot, window and validity."""
+        time, n_keys = q.shape[2], view.keys.shape[2]
+        wants_probs = state is not None and state.needs_attention_probs
+        # In order, without padding or a window, causality is SDPA's own (much faster than an explicit mask).
+        plain = view.in_order and view.valid is None and view.window is None and (time == 1 or time == n_keys)
+        if plain and not wants_probs:
+            return ops.attention(q, view.keys, view.values, causal=time > 1, scale=self.scale, **packed)
+        allowed = slot_mask(view.query_slots, view.slots, key_valid=view.valid, key_pinned=view.pinned,
+                            window=view.window, q_heads=q.shape[1])
+        if wants_probs:
+            out, probs = attention_with_probs(q, view.keys, view.values, mask=allowed, scale=self.scale)
+            state.observe(probs)
+            return out
+        return ops.attention(q, view.keys, view.values, mask=allowed, scale=self.scale, **packed)

@@ -46,3 +46,45 @@ def _same_sequence(q, k, seq_idx, mask, causal) -> torch.Tensor:
     if causal:
         return same & torch.ones(time, time, dtype=torch.bool, device=q.device).tril()
     return same if mask is None else same & mask
+
+
+def slot_mask(
+    query_slots: torch.Tensor,
+    key_slots: torch.Tensor,
+    *,
+    key_valid: torch.Tensor | None = None,
+    key_pinned: torch.Tensor | None = None,
+    window: int | None = None,
+    q_heads: int = 1,
+) -> torch.Tensor:
+    """The boolean mask of queries continuing after cached keys, from the keys' absolute slots.
+
+    ``query_slots [q_len]``; ``key_slots`` ``[k_len]`` or ``[batch, kv_heads, k_len]`` (in any order: a ring
+    buffer's); ``key_valid`` (False: padding or an empty slot) and ``key_pinned`` (visible whatever the window:
+    attention sinks) broadcastable to ``[batch, kv_heads, k_len]``. A query sees a valid key at or before its
+    slot, within ``window`` slots unless pinned; a query always sees its own slot (a padded query then stays
+    finite; its output is never read). Returns ``[batch or 1, 1 or q_heads, q_len, k_len]``."""
+    keys = key_slots.view(1, 1, -1) if key_slots.dim() == 1 else key_slots  # [b, h, k]
+    distance = query_slots[:, None] - keys[..., None, :]  # [b, h, q, k]
+    allowed = distance >= 0
+    if window is not None:
+        inside = distance < window
+        allowed = allowed & (inside if key_pinned is None else inside | key_pinned[..., None, :])
+    if key_valid is not None:
+        allowed = allowed & key_valid[..., None, :]
+    allowed = allowed | (distance == 0)
+    if allowed.shape[1] not in (1, q_heads):  # per key/value head: one copy per query head of its group
+        allowed = allowed.repeat_interleave(q_heads // allowed.shape[1], dim=1)
+    return allowed
+
+
+def attention_with_probs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_ref` written out, also returning the probabilities ``[batch, q_heads, q_len, k_len]``
+    (for caches that keep the keys with the most attention mass). Shapes as in :func:`attention_ref`."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [b, q_heads, k, d]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    probs = scores.float().masked_fill(~mask, -torch.inf).softmax(-1)  # [b, q_heads, q, k]
+    return torch.matmul(probs.to(v.dtype), v), probs

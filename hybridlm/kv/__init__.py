@@ -1,0 +1,9 @@
+"""KV cache layouts and the policy that picks one per attention layer (see :mod:`.policy`)."""
+
+from ..cache import KVLayout, KVState, KVView
+from .layouts import HeavyHitterKV, RingKV, SinkWindowKV
+from .policy import CachePolicy, apply_policy
+from .quantize import QuantizedKV
+
+__all__ = ["CachePolicy", "HeavyHitterKV", "KVLayout", "KVState", "KVView", "QuantizedKV", "RingKV", "SinkWindowKV",
+           "apply_policy"]

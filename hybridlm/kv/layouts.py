@@ -1,0 +1,267 @@
+"""KV layouts of fixed size: a ring for sliding windows, attention sinks plus a window (StreamingLLM) and
+heavy hitters plus a recent window (H2O). Each holds a bounded number of token slots however long generation
+runs. The contiguous layout is :class:`hybridlm.cache.KVState`; the quantized one is in :mod:`.quantize`.
+
+Sizes per batch row (``e`` the element size, ``H`` key/value heads, ``D`` head_dim), ``n`` tokens seen:
+
+* ``RingKV``: ``2 * H * min(n, window - 1) * D * e + 8``;
+* ``SinkWindowKV``: ``2 * H * min(n, sinks + window - 1) * D * e + 8``;
+* ``HeavyHitterKV``: ``H * min(n, heavy + window) * (2 * D * e + 8 + 4) + 8`` (each key's slot and its
+  accumulated attention mass are kept too).
+
+Ring and sinks + window allocate their ring once; the one slot beyond what a later token can see is the slot
+the next token is written into, counted by ``reserved_nbytes`` only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..cache import KVLayout, KVView, LayerState, _tensor_nbytes
+
+
+def _zeros(batch, heads, slots, dim, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values ``[batch, heads, slots, dim]`` and the padding counter ``[batch]``."""
+    shape = (batch, heads, slots, dim)
+    return (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
+            torch.zeros(batch, dtype=torch.long, device=device))
+
+
+class _FixedKV(KVLayout):
+    """Shared properties of the layouts below (each has ``keys [batch, heads, slots, head_dim]``)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    def _held_nbytes(self, slots: int) -> int:
+        batch, heads, _, dim = self.keys.shape
+        return batch * 2 * heads * slots * dim * self.keys.element_size() + _tensor_nbytes(self.padding)
+
+
+@dataclasses.dataclass
+class RingKV(_FixedKV):
+    """A sliding window of ``window`` slots (each token sees itself and the ``window - 1`` before it), written
+    in place into a ring: slot ``s`` lives at index ``s % window``. Decoding allocates and copies nothing; a
+    multi-token chunk attends over the held window followed by its own keys, then writes its last ``window``
+    keys into the ring. Keys are stored rotated."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    padding: torch.Tensor
+    window: int
+    seen: int = 0
+    has_padding: bool = False
+
+    @classmethod
+    def empty(cls, batch_size, kv_heads, head_dim, *, window, device=None, dtype=None) -> RingKV:
+        return cls(*_zeros(batch_size, kv_heads, window, head_dim, device, dtype), window=window)
+
+    @property
+    def length(self) -> int:
+        """Slots a later token can see: the last ``window - 1``."""
+        return min(self.seen, self.window - 1)
+
+    @property
+    def start(self) -> int:
+        """Absolute slot of the oldest slot a later token can see."""
+        return self.seen - self.length
+
+    def nbytes(self) -> int:
+        return self._held_nbytes(self.length)
+
+    def reserved_nbytes(self) -> int:
+        return LayerState.nbytes(self)
+
+    def predicted_nbytes(self, tokens: int) -> int:
+        return self._held_nbytes(min(tokens, self.window - 1))
+
+    def update(self, keys, values, positions, rotate, mask) -> KVView:
+        first, time, window = self.seen, keys.shape[2], self.window
+        if rotate is not None:
+            keys = rotate(keys, positions)
+        self._count_padding(mask)
+        if time == 1:  # in place: the new slot replaces the one that just left the window
+            self.keys[:, :, first % window] = keys[:, :, 0]
+            self.values[:, :, first % window] = values[:, :, 0]
+            self.seen += 1
+            held = min(self.seen, window)
+            index = torch.arange(held, device=keys.device)
+            slots = self.seen - 1 - (self.seen - 1 - index) % window  # [held]: the newest slot at each index
+            view_keys, view_values = self.keys[:, :, :held], self.values[:, :, :held]
+        else:
+            held = min(first, window - 1)
+            slots = torch.arange(first - held, first + time, device=keys.device)
+            order = slots[:held] % window
+            view_keys = torch.cat([self.keys.index_select(2, order), keys], dim=2)  # [b, h, held + t, d]
+            view_values = torch.cat([self.values.index_select(2, order), values], dim=2)
+            kept = min(time, window)
+            index = slots[-kept:] % window
+            self.keys.index_copy_(2, index, keys[:, :, -kept:])
+            self.values.index_copy_(2, index, values[:, :, -kept:])
+            self.seen += time
+        return KVView(view_keys, view_values, slots, self._validity(slots),
+                      query_slots=torch.arange(first, first + time, device=keys.device), query_positions=positions,
+                      window=window)
+
+
+@dataclasses.dataclass
+class SinkWindowKV(_FixedKV):
+    """StreamingLLM: the first ``sinks`` slots (attention sinks) and a ring of the last ``window``.
+
+    Keys are stored before the rotary embedding and rotated on every read by their position *inside the
+    cache*: sinks at ``0..sinks-1``, the window after them without a gap. So positions never exceed
+    ``sinks + window - 1`` however long generation runs. While at most ``sinks + window`` tokens have been seen
+    nothing is dropped and the positions are the model's own, so the output equals full attention. In a
+    multi-token chunk past the window, the chunk's later tokens see positions up to ``sinks + window + chunk``
+    (decode one token at a time to stay within ``sinks + window``). With left padding, padding slots count
+    among the sinks."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    padding: torch.Tensor
+    sinks: int
+    window: int
+    seen: int = 0
+    has_padding: bool = False
+
+    @classmethod
+    def empty(cls, batch_size, kv_heads, head_dim, *, sinks, window, device=None, dtype=None) -> SinkWindowKV:
+        return cls(*_zeros(batch_size, kv_heads, sinks + window, head_dim, device, dtype), sinks=sinks,
+                   window=window)
+
+    @property
+    def length(self) -> int:
+        return min(self.seen, self.sinks + self.window - 1)
+
+    def nbytes(self) -> int:
+        return self._held_nbytes(self.length)
+
+    def reserved_nbytes(self) -> int:
+        return LayerState.nbytes(self)
+
+    def predicted_nbytes(self, tokens: int) -> int:
+        return self._held_nbytes(min(tokens, self.sinks + self.window - 1))
+
+    def _index(self, slots: torch.Tensor) -> torch.Tensor:
+        """Buffer index of each absolute slot: sinks first, then the ring."""
+        sinks = self.sinks
+        return torch.where(slots < sinks, slots, sinks + (slots - sinks) % self.window)
+
+    def update(self, keys, values, positions, rotate, mask) -> KVView:
+        first, time, sinks, window = self.seen, keys.shape[2], self.sinks, self.window
+        self._count_padding(mask)
+        new_slots = torch.arange(first, first + time, device=keys.device)
+        if time == 1:  # in place, as in RingKV
+            index = first if first < sinks else sinks + (first - sinks) % window
+            self.keys[:, :, index], self.values[:, :, index] = keys[:, :, 0], values[:, :, 0]
+            self.seen += 1
+            ring = min(max(self.seen - sinks, 0), window)
+            index = torch.arange(sinks, sinks + ring, device=keys.device)
+            ring_slots = self.seen - 1 - (self.seen - 1 - index) % window  # [ring]
+            slots = torch.cat([torch.arange(min(self.seen, sinks), device=keys.device), ring_slots])
+            raw_keys, view_values = self.keys[:, :, : slots.shape[0]], self.values[:, :, : slots.shape[0]]
+        else:
+            oldest = max(sinks, first - window + 1)  # of the ring's held slots
+            held_slots = torch.cat([torch.arange(min(first, sinks), device=keys.device),
+                                    torch.arange(oldest, max(oldest, first), device=keys.device)])
+            slots = torch.cat([held_slots, new_slots])
+            order = self._index(held_slots)
+            raw_keys = torch.cat([self.keys.index_select(2, order), keys], dim=2)  # [b, h, held + t, d]
+            view_values = torch.cat([self.values.index_select(2, order), values], dim=2)
+            kept = (new_slots < sinks) | (new_slots >= first + time - window)
+            self.keys.index_copy_(2, self._index(new_slots[kept]), keys[:, :, kept])
+            self.values.index_copy_(2, self._index(new_slots[kept]), values[:, :, kept])
+            self.seen += time
+        shift = max(0, first - (window - 1) - sinks)  # dropped slots between the sinks and the window
+        key_positions = self._in_cache(torch.where(slots < sinks, slots, slots - shift))
+        view_keys = rotate(raw_keys, key_positions) if rotate is not None else raw_keys
+        return KVView(view_keys, view_values, slots, self._validity(slots), query_slots=new_slots,
+                      query_positions=self._in_cache(new_slots - shift), window=window,
+                      pinned=(slots < sinks).view(1, 1, -1))
+
+    def _in_cache(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[batch, n]`` positions counted from each row's first real token."""
+        return (positions[None, :] - self.padding[:, None]).clamp(min=0)
+
+
+@dataclasses.dataclass
+class HeavyHitterKV(_FixedKV):
+    """H2O: the ``heavy`` keys with the largest accumulated attention mass plus the ``window`` most recent,
+    per row and key/value head. Each forward attends over the held keys and the new ones, adds the attention
+    probabilities it gets to each key's mass (:meth:`observe`; summed over the query heads of the group and the
+    new queries), then drops the lightest keys beyond ``heavy + window``. While at most ``heavy + window``
+    tokens have been seen nothing is dropped, so the output equals full attention. Keys are stored rotated.
+
+    ``keys, values [batch, heads, held, head_dim]``, ``slots [batch, heads, held]`` (absolute slot of each
+    key), ``mass [batch, heads, held]`` (fp32)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+    mass: torch.Tensor
+    padding: torch.Tensor
+    heavy: int
+    window: int
+    seen: int = 0
+    has_padding: bool = False
+
+    needs_attention_probs = True
+
+    @classmethod
+    def empty(cls, batch_size, kv_heads, head_dim, *, heavy, window, device=None, dtype=None) -> HeavyHitterKV:
+        keys, values, padding = _zeros(batch_size, kv_heads, 0, head_dim, device, dtype)
+        return cls(keys, values, torch.zeros(batch_size, kv_heads, 0, dtype=torch.long, device=device),
+                   torch.zeros(batch_size, kv_heads, 0, device=device), padding, heavy=heavy, window=window)
+
+    @property
+    def capacity(self) -> int:
+        return self.heavy + self.window
+
+    def predicted_nbytes(self, tokens: int) -> int:
+        batch, heads, _, dim = self.keys.shape
+        held = min(tokens, self.capacity)
+        per_slot = 2 * dim * self.keys.element_size() + self.slots.element_size() + self.mass.element_size()
+        return batch * (heads * held * per_slot + self.padding.element_size())
+
+    def update(self, keys, values, positions, rotate, mask) -> KVView:
+        first, (batch, heads, time, _) = self.seen, keys.shape
+        if rotate is not None:
+            keys = rotate(keys, positions)
+        self._count_padding(mask)
+        new_slots = torch.arange(first, first + time, device=keys.device)
+        self.keys = torch.cat([self.keys, keys], dim=2)  # [b, h, held + t, d]
+        self.values = torch.cat([self.values, values], dim=2)
+        self.slots = torch.cat([self.slots, new_slots.expand(batch, heads, time)], dim=2)
+        self.mass = torch.cat([self.mass, self.mass.new_zeros(batch, heads, time)], dim=2)
+        self.seen += time
+        return KVView(self.keys, self.values, self.slots, self._validity(self.slots), query_slots=new_slots,
+                      query_positions=positions)
+
+    def observe(self, probs: torch.Tensor) -> None:
+        batch, q_heads, time, held = probs.shape
+        heads = self.keys.shape[1]
+        self.mass = self.mass + probs.view(batch, heads, q_heads // heads, time, held).sum((2, 3))
+        if held > self.capacity:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Keep the recent window and the heaviest of the rest (padding ranks below every real key)."""
+        recent = self.slots >= self.seen - self.window
+        valid = self._validity(self.slots)
+        rank = self.mass if valid is None else self.mass.masked_fill(~valid, -1.0)
+        rank = rank.masked_fill(recent, torch.inf)
+        keep = rank.topk(self.capacity, dim=-1).indices.sort(dim=-1).values  # [b, h, capacity]
+        wide = keep[..., None].expand(-1, -1, -1, self.keys.shape[3])
+        self.keys, self.values = self.keys.gather(2, wide), self.values.gather(2, wide)
+        self.slots, self.mass = self.slots.gather(2, keep), self.mass.gather(2, keep)

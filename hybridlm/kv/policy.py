@@ -1,0 +1,132 @@
+"""CachePolicy: which KV layout each attention layer's state uses.
+
+A policy selects one layout class per attention state (it adds no flags to a layout):
+
+================================  ==================================================
+policy                            layout
+================================  ==================================================
+default (``CachePolicy()``)       :class:`~hybridlm.cache.KVState` (contiguous, full precision)
+``kv_bits`` 8, 4 or 2             :class:`~hybridlm.kv.quantize.QuantizedKV` (KIVI)
+``window`` (``sink_tokens``)      :class:`~hybridlm.kv.layouts.SinkWindowKV` (StreamingLLM; no sinks: window only)
+``heavy_hitters`` + ``window``    :class:`~hybridlm.kv.layouts.HeavyHitterKV` (H2O)
+================================  ==================================================
+
+A layer with its own ``sliding_window`` keeps its ring (:class:`~hybridlm.kv.layouts.RingKV`): it is bounded
+already, and a policy must not let it see beyond its window. Quantization does not combine with the bounded
+layouts (yet): asking for both is an error. A policy is fixed for the life of a cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Mapping
+
+from ..cache import KVLayout, KVState, LayerState, StateGroup
+from .layouts import HeavyHitterKV, SinkWindowKV
+from .quantize import BITS, QuantizedKV
+
+
+@dataclasses.dataclass(frozen=True)
+class CachePolicy:
+    """How attention layers keep their keys and values (see the module docstring for the layout chosen).
+
+    * ``kv_bits``: 16 (the model dtype, unquantized), 8, 4 or 2 (KIVI);
+    * ``kv_group_size``: tokens per key scale, channels per value scale (must divide head_dim);
+    * ``kv_residual``: recent tokens kept in full precision;
+    * ``sink_tokens`` + ``window``: StreamingLLM's attention sinks and recent window;
+    * ``heavy_hitters`` + ``window``: H2O's heavy hitters and recent window.
+    """
+
+    kv_bits: int = 16
+    kv_group_size: int = 32
+    kv_residual: int = 128
+    sink_tokens: int = 0
+    window: int | None = None
+    heavy_hitters: int | None = None
+
+    def __post_init__(self):
+        def positive(name, value, allow_zero=False):
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+                raise ValueError(f"CachePolicy.{name}={value!r} must be an integer >= {0 if allow_zero else 1}")
+
+        if self.kv_bits not in (*BITS, 16):
+            raise ValueError(f"CachePolicy.kv_bits={self.kv_bits!r} must be one of 2, 4, 8 or 16")
+        positive("kv_group_size", self.kv_group_size)
+        positive("kv_residual", self.kv_residual, allow_zero=True)
+        positive("sink_tokens", self.sink_tokens, allow_zero=True)
+        if self.window is not None:
+            positive("window", self.window)
+        if self.heavy_hitters is not None:
+            positive("heavy_hitters", self.heavy_hitters)
+        if (self.sink_tokens or self.heavy_hitters) and self.window is None:
+            raise ValueError("CachePolicy: sink_tokens and heavy_hitters need window= (the recent tokens kept)")
+        if self.window is not None and self.window < self.sink_tokens:
+            raise ValueError(f"CachePolicy.window={self.window} is smaller than sink_tokens={self.sink_tokens}")
+        if self.heavy_hitters and self.sink_tokens:
+            raise ValueError("CachePolicy: choose sink_tokens (StreamingLLM) or heavy_hitters (H2O), not both")
+        if self.kv_bits != 16 and self.window is not None:
+            raise ValueError(f"CachePolicy: kv_bits={self.kv_bits} with window / sink_tokens / heavy_hitters is not "
+                             "supported; quantize a full cache or bound it, not both")
+
+    @property
+    def is_default(self) -> bool:
+        return self.kv_bits == 16 and self.window is None
+
+    def layout(self, template: KVState) -> KVLayout:
+        """The empty state this policy gives an attention layer whose default state is ``template``."""
+        batch, heads, _, dim = template.keys.shape
+        where = dict(device=template.keys.device, dtype=template.keys.dtype)
+        if self.heavy_hitters:
+            return HeavyHitterKV.empty(batch, heads, dim, heavy=self.heavy_hitters, window=self.window, **where)
+        if self.window is not None:
+            return SinkWindowKV.empty(batch, heads, dim, sinks=self.sink_tokens, window=self.window, **where)
+        if self.kv_bits != 16:
+            if dim % self.kv_group_size:
+                raise ValueError(f"CachePolicy.kv_group_size={self.kv_group_size} does not divide the attention "
+                                 f"head_dim={dim}")
+            if dim * self.kv_bits % 8:
+                raise ValueError(f"CachePolicy.kv_bits={self.kv_bits}: head_dim={dim} codes do not fill whole bytes")
+            return QuantizedKV.empty(batch, heads, dim, bits=self.kv_bits, group=self.kv_group_size,
+                                     residual=self.kv_residual, **where)
+        return template
+
+
+def apply_policy(states: list[LayerState], policy: CachePolicy | Mapping[int, CachePolicy]) -> list[LayerState]:
+    """``states`` (one per cache entry, as ``new_cache`` makes them) with each default attention state replaced
+    by the policy's layout. ``policy`` is one policy for every layer or ``{state index: policy}``."""
+    if not isinstance(policy, (CachePolicy, Mapping)):
+        raise TypeError(f"cache_policy must be a hybridlm CachePolicy or {{layer: CachePolicy}}, got "
+                        f"{type(policy).__name__}")
+    per_layer = policy if isinstance(policy, Mapping) else dict.fromkeys(range(len(states)), policy)
+    for index, layer_policy in per_layer.items():
+        if not isinstance(index, int) or not 0 <= index < len(states) or not isinstance(layer_policy, CachePolicy):
+            raise ValueError(f"cache_policy: {{layer: CachePolicy}} needs layers in [0, {len(states)}), got "
+                             f"{index!r}: {type(layer_policy).__name__}")
+    replaced = [_apply(state, per_layer.get(i)) for i, state in enumerate(states)]
+    if not any(_has_attention(state) for state in states) and not all(p.is_default for p in per_layer.values()):
+        _say_once("cache_policy: this model has no attention layers; the policy changes nothing")
+    return replaced
+
+
+def _apply(state: LayerState, policy: CachePolicy | None) -> LayerState:
+    if policy is None:
+        return state
+    if isinstance(state, StateGroup):
+        return StateGroup({name: _apply(part, policy) for name, part in state.parts.items()})
+    return policy.layout(state) if isinstance(state, KVState) else state
+
+
+def _has_attention(state: LayerState) -> bool:
+    if isinstance(state, StateGroup):
+        return any(_has_attention(part) for part in state.parts.values())
+    return isinstance(state, KVLayout)
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        warnings.warn(message, stacklevel=3)

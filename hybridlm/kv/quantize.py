@@ -1,0 +1,198 @@
+"""Quantized KV (KIVI): keys per channel, values per token, asymmetric, in groups, packed into bytes.
+
+Keys vary most across channels (a few outlier channels), values across tokens, hence KIVI's two directions:
+
+* keys: one scale and zero point per channel and per block of ``group`` tokens;
+* values: one scale and zero point per token and per group of ``group`` channels.
+
+The most recent tokens stay in full precision (at least ``residual``, fewer than ``residual + group``); once
+``group`` tokens beyond ``residual`` have accumulated, the oldest ``group`` are quantized together. Codes are
+packed along the channels: one int8, two int4 or four int2 per byte. Reads dequantize (the reference path).
+
+Bytes per batch row with ``n`` tokens seen, ``q = group * floor(max(0, n - residual) / group)`` of them
+quantized (``H`` key/value heads, ``D`` head_dim, ``e`` element size of the model dtype, ``b`` bits)::
+
+    H * q * (2 * D * b / 8 + 4 * D * e / group) + 2 * H * (n - q) * D * e + 8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..cache import KVLayout, KVView, _tensor_nbytes
+
+BITS = (2, 4, 8)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes [..., n]`` (uint8, each < 2**bits) -> ``[..., n * bits / 8]`` uint8; element ``i`` of a byte
+    sits in bits ``i * bits .. (i + 1) * bits - 1``."""
+    if bits == 8:
+        return codes
+    per_byte = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # [per_byte]
+    grouped = codes.view(*codes.shape[:-1], -1, per_byte)  # [..., n / per_byte, per_byte]
+    return (grouped << shifts).sum(-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``[..., m]`` uint8 -> ``[..., m * 8 / bits]`` codes."""
+    if bits == 8:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed[..., None] >> shifts) & (2**bits - 1)  # [..., m, per_byte]
+    return codes.flatten(-2)
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric quantization of ``x`` with one scale and zero point per slice along ``dim``: codes (uint8,
+    same shape), and ``scale, zero`` with ``dim`` kept as size 1. ``x ~= codes * scale + zero``, off by at most
+    ``scale / 2`` (plus rounding of the arithmetic)."""
+    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = (high - low) / (2**bits - 1)
+    codes = ((x - low) / scale.clamp_min(torch.finfo(x.dtype).tiny)).round().clamp_(0, 2**bits - 1)
+    return codes.to(torch.uint8), scale, low
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return codes.to(scale.dtype) * scale + zero
+
+
+def _grown(buffer: torch.Tensor, used: int, needed: int) -> torch.Tensor:
+    """``buffer`` (dim 2 the token dim) with room for ``needed``, growing by half at least."""
+    if needed <= buffer.shape[2]:
+        return buffer
+    capacity = max(needed, buffer.shape[2] * 3 // 2)
+    grown = buffer.new_zeros(*buffer.shape[:2], capacity, *buffer.shape[3:])
+    grown[:, :, :used] = buffer[:, :, :used]
+    return grown
+
+
+@dataclasses.dataclass
+class QuantizedKV(KVLayout):
+    """KIVI storage (see the module docstring). Keys are stored rotated, quantized after the rotation.
+
+    ``key_codes, value_codes [batch, heads, capacity, head_dim * bits / 8]`` (uint8); ``key_scale, key_zero
+    [batch, heads, capacity / group, head_dim]``; ``value_scale, value_zero [batch, heads, capacity,
+    head_dim / group]``; ``recent_keys, recent_values [batch, heads, room, head_dim]`` the full-precision tail,
+    of which ``recent`` slots are used; ``quantized`` tokens are held as codes."""
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    recent_keys: torch.Tensor
+    recent_values: torch.Tensor
+    padding: torch.Tensor
+    bits: int
+    group: int
+    residual: int
+    quantized: int = 0
+    recent: int = 0
+    has_padding: bool = False
+
+    @classmethod
+    def empty(cls, batch_size, kv_heads, head_dim, *, bits, group, residual, device=None, dtype=None):
+        def zeros(*shape, dtype=dtype):
+            return torch.zeros(batch_size, kv_heads, *shape, device=device, dtype=dtype)
+
+        packed = head_dim * bits // 8
+        return cls(zeros(0, packed, dtype=torch.uint8), zeros(0, head_dim), zeros(0, head_dim),
+                   zeros(0, packed, dtype=torch.uint8), zeros(0, head_dim // group), zeros(0, head_dim // group),
+                   zeros(residual + group, head_dim), zeros(residual + group, head_dim),
+                   torch.zeros(batch_size, dtype=torch.long, device=device), bits=bits, group=group,
+                   residual=residual)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.recent_keys.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.recent_keys.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.recent_keys.dtype
+
+    @property
+    def seen(self) -> int:
+        return self.quantized + self.recent
+
+    def nbytes(self) -> int:
+        q, blocks, r = self.quantized, self.quantized // self.group, self.recent
+        used = [self.key_codes[:, :, :q], self.value_codes[:, :, :q], self.key_scale[:, :, :blocks],
+                self.key_zero[:, :, :blocks], self.value_scale[:, :, :q], self.value_zero[:, :, :q],
+                self.recent_keys[:, :, :r], self.recent_values[:, :, :r], self.padding]
+        return sum(_tensor_nbytes(t) for t in used)
+
+    def predicted_nbytes(self, tokens: int) -> int:
+        batch, heads, _, dim = self.recent_keys.shape
+        e = self.recent_keys.element_size()
+        q = self.group * (max(0, tokens - self.residual) // self.group)
+        per_quantized = 2 * dim * self.bits // 8 + 4 * dim * e // self.group
+        return batch * (heads * q * per_quantized + 2 * heads * (tokens - q) * dim * e + self.padding.element_size())
+
+    def update(self, keys, values, positions, rotate, mask) -> KVView:
+        first, time = self.seen, keys.shape[2]
+        if rotate is not None:
+            keys = rotate(keys, positions)
+        self._count_padding(mask)
+        self.recent_keys = _grown(self.recent_keys, self.recent, self.recent + time)
+        self.recent_values = _grown(self.recent_values, self.recent, self.recent + time)
+        self.recent_keys[:, :, self.recent : self.recent + time] = keys
+        self.recent_values[:, :, self.recent : self.recent + time] = values
+        self.recent += time
+        view_keys, view_values = self.recent_keys[:, :, : self.recent], self.recent_values[:, :, : self.recent]
+        if self.quantized:
+            old_keys, old_values = self.dequantized()
+            view_keys, view_values = torch.cat([old_keys, view_keys], 2), torch.cat([old_values, view_values], 2)
+        self._quantize_aged()  # after the view is taken: this forward reads its own tokens in full precision
+        slots = torch.arange(self.seen, device=keys.device)
+        return KVView(view_keys, view_values, slots, self._validity(slots), query_slots=slots[first:],
+                      query_positions=positions, in_order=True)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[batch, heads, quantized, head_dim]`` of the quantized tokens."""
+        q, group, bits = self.quantized, self.group, self.bits
+        batch, heads, _, dim = self.recent_keys.shape
+        key_codes = unpack(self.key_codes[:, :, :q], bits).view(batch, heads, q // group, group, dim)
+        keys = dequantize(key_codes, self.key_scale[:, :, : q // group, None], self.key_zero[:, :, : q // group, None])
+        value_codes = unpack(self.value_codes[:, :, :q], bits).view(batch, heads, q, dim // group, group)
+        values = dequantize(value_codes, self.value_scale[:, :, :q, :, None], self.value_zero[:, :, :q, :, None])
+        return keys.view(batch, heads, q, dim), values.view(batch, heads, q, dim)
+
+    def _quantize_aged(self) -> None:
+        """Quantize the oldest whole groups of the full-precision tail beyond ``residual`` tokens."""
+        aged = self.group * (max(0, self.recent - self.residual) // self.group)
+        if not aged:
+            return
+        batch, heads, _, dim = self.recent_keys.shape
+        q, blocks, group = self.quantized, self.quantized // self.group, self.group
+        keys, values = self.recent_keys[:, :, :aged], self.recent_values[:, :, :aged]
+        key_codes, key_scale, key_zero = quantize(keys.reshape(batch, heads, aged // group, group, dim), self.bits, 3)
+        value_codes, value_scale, value_zero = quantize(values.reshape(batch, heads, aged, dim // group, group),
+                                                        self.bits, 4)
+        for name, used, rows, data in [
+            ("key_codes", q, aged, pack(key_codes.view(batch, heads, aged, dim), self.bits)),
+            ("value_codes", q, aged, pack(value_codes.view(batch, heads, aged, dim), self.bits)),
+            ("key_scale", blocks, aged // group, key_scale.squeeze(3)),
+            ("key_zero", blocks, aged // group, key_zero.squeeze(3)),
+            ("value_scale", q, aged, value_scale.squeeze(4)),
+            ("value_zero", q, aged, value_zero.squeeze(4)),
+        ]:
+            buffer = _grown(getattr(self, name), used, used + rows)
+            buffer[:, :, used : used + rows] = data
+            setattr(self, name, buffer)
+        # a fresh tail: the view handed out may still read the old one
+        rest = self.recent - aged
+        tail_keys, tail_values = torch.zeros_like(self.recent_keys), torch.zeros_like(self.recent_values)
+        tail_keys[:, :, :rest], tail_values[:, :, :rest] = self.recent_keys[:, :, aged:self.recent], \
+            self.recent_values[:, :, aged:self.recent]
+        self.recent_keys, self.recent_values = tail_keys, tail_values
+        self.quantized += aged
+        self.recent = rest
