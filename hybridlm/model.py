@@ -15,6 +15,7 @@ from transformers.utils import ModelOutput
 from .cache import HybridCache, LayerState, StateGroup
 from .config import HybridConfig
 from .hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
+from .inputs import check_cache_device, check_embeddings, check_token_ids
 from .layers.mlp import MLP, MoE, load_balancing_loss
 from .layers.norms import RMSNorm
 from .mixers import Mixer, build_mixer
@@ -143,15 +144,6 @@ def _check_mask(mask: torch.Tensor, cache: HybridCache | None) -> None:
         raise ValueError("attention_mask: padding after a row's first real token is not supported with a cache")
 
 
-def _check_input(name: str, tensor: torch.Tensor, device: torch.device) -> None:
-    """A model input must be on the model's device and hold at least one row and one token."""
-    if tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device} but the model on {device}: move it with .to({str(device)!r})")
-    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
-        raise ValueError(f"{name} must hold at least one row and one token, got shape {tuple(tensor.shape)} "
-                         "[batch, time, ...]")
-
-
 class HybridModel(HybridPreTrainedModel):
     """Embedding (scaled by ``embedding_multiplier``), the stack of :class:`HybridBlock` s, the shared blocks
     applied inside it when ``shared_block_layers`` is set, and the final norm."""
@@ -174,22 +166,13 @@ class HybridModel(HybridPreTrainedModel):
 
     # --- caches ---------------------------------------------------------------------------------
 
-    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None,
-                  policy=None) -> HybridCache:
-        """An empty cache for ``batch_size`` rows; attention layers preallocate ``max_length`` slots if given.
-        ``policy`` (a :class:`~hybridlm.CachePolicy`, or ``{state index: CachePolicy}``) picks the KV layout of
-        attention layers (quantized, sinks + window, heavy hitters); it stays with the cache."""
+    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None) -> HybridCache:
+        """An empty cache for ``batch_size`` rows; attention layers preallocate ``max_length`` slots if given."""
         device = device if device is not None else self.embed_tokens.weight.device
         dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
         kinds, states = self._init_states(batch_size, max_length, device, dtype)
         fixed = [mixer is None or not mixer.grows_with_context for mixer in self._state_mixers()]
-        if policy is not None:
-            from .kv.policy import apply_policy
-
-            states = apply_policy(states, policy)
-        cache = HybridCache(states, kinds, self._signature(dtype), batch_size, device, linear=fixed)
-        cache.policy = policy
-        return cache
+        return HybridCache(states, kinds, self._signature(dtype), batch_size, device, linear=fixed)
 
     def _init_states(self, batch_size, max_length, device, dtype) -> tuple[list[str], list[LayerState]]:
         """Kinds and empty states: one per layer, then one per shared-block application."""
@@ -227,17 +210,13 @@ class HybridModel(HybridPreTrainedModel):
         cache: HybridCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        cache_policy=None,
         **kwargs,
     ) -> HybridModelOutput:
         forward_kwargs(type(self).__name__, kwargs)
         hidden = self._embed(input_ids, inputs_embeds)
         batch, time = hidden.shape[:2]
         if cache is None and use_cache:
-            cache = self.new_cache(batch, policy=cache_policy)
-        elif cache is not None and cache_policy is not None and cache_policy != cache.policy:
-            raise ValueError(f"cache_policy={cache_policy} differs from the policy this cache was made with "
-                             f"({cache.policy}); a policy cannot change during generation")
+            cache = self.new_cache(batch)
         if cache is not None:
             self._check_cache(cache, batch, hidden.dtype)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -272,23 +251,9 @@ class HybridModel(HybridPreTrainedModel):
             raise ValueError("HybridModel: pass exactly one of input_ids and inputs_embeds")
         weight = self.embed_tokens.weight
         if inputs_embeds is not None:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-                raise ValueError(f"inputs_embeds must be [batch, time, {self.config.hidden_size}], "
-                                 f"got {tuple(inputs_embeds.shape)}")
-            if inputs_embeds.dtype != weight.dtype:
-                raise TypeError(f"inputs_embeds is {inputs_embeds.dtype} but the model computes in {weight.dtype}: "
-                                f"convert it with inputs_embeds.to({weight.dtype})")
-            _check_input("inputs_embeds", inputs_embeds, weight.device)
+            check_embeddings(inputs_embeds, self.config.hidden_size, weight.dtype, weight.device)
             return inputs_embeds
-        if input_ids.dtype not in (torch.long, torch.int32):
-            raise TypeError(f"input_ids must hold integer token ids as torch.long (or torch.int32), "
-                            f"got {input_ids.dtype}")
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
-        _check_input("input_ids", input_ids, weight.device)
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={self.config.vocab_size}), got values in "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+        check_token_ids(input_ids, self.config.vocab_size, weight.device)
         embeddings = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
         return embeddings if multiplier == 1.0 else embeddings * multiplier
@@ -296,10 +261,7 @@ class HybridModel(HybridPreTrainedModel):
     def _check_cache(self, cache, batch: int, dtype: torch.dtype) -> None:
         if not isinstance(cache, HybridCache):
             raise TypeError(f"cache must be a hybridlm HybridCache (from model.new_cache), got {type(cache).__name__}")
-        device = self.embed_tokens.weight.device
-        if cache.positions.device != device:
-            raise ValueError(f"cache is on {cache.positions.device} but the model on {device}: move it with "
-                             f"cache.to({str(device)!r})")
+        check_cache_device(cache, self.embed_tokens.weight.device)
         if cache.signature != self._signature(dtype):
             raise ValueError("cache was built for a different model (its layer kinds or state shapes differ "
                              f"from this model's {self.config.layer_types})")
@@ -375,9 +337,8 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None,
-                  policy=None) -> HybridCache:
-        return self.model.new_cache(batch_size, max_length, device, dtype, policy)
+    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None) -> HybridCache:
+        return self.model.new_cache(batch_size, max_length, device, dtype)
 
     def forward(
         self,
@@ -389,13 +350,11 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
-        cache_policy=None,
         **kwargs,
     ) -> HybridCausalLMOutput:
         """``use_cache=True`` starts a new cache (returned as ``.cache``); ``cache=...`` continues one."""
         kwargs = forward_kwargs(type(self).__name__, kwargs)
-        out = self.model(input_ids, attention_mask, position_ids, cache, use_cache, inputs_embeds,
-                         cache_policy=cache_policy, **kwargs)
+        out = self.model(input_ids, attention_mask, position_ids, cache, use_cache, inputs_embeds, **kwargs)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]

@@ -1,0 +1,46 @@
+"""Checks of what a model's ``forward`` receives, so that bad input is an error naming the argument before any
+mixer runs, not a failure deep inside one (or, worse, a silently wrong result: uint8 ids wrap at 256)."""
+
+from __future__ import annotations
+
+import torch
+
+#: Token id types ``nn.Embedding`` takes without wrapping.
+ID_DTYPES = (torch.long, torch.int32)
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int, device: torch.device) -> None:
+    """``input_ids [batch, time]``: long or int32, on ``device``, non-empty, in ``[0, vocab_size)``."""
+    if input_ids.dtype not in ID_DTYPES:
+        raise TypeError(f"input_ids must hold integer token ids as torch.long (or torch.int32), got {input_ids.dtype}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, time], got shape {tuple(input_ids.shape)}")
+    _check_placement("input_ids", input_ids, device)
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"input_ids must lie in [0, vocab_size={vocab_size}), got values in [{low}, {high}]")
+
+
+def check_embeddings(inputs_embeds: torch.Tensor, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """``inputs_embeds [batch, time, hidden_size]`` of the model's ``dtype``, on ``device``, non-empty."""
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
+        raise ValueError(f"inputs_embeds must be [batch, time, {hidden_size}], got {tuple(inputs_embeds.shape)}")
+    if inputs_embeds.dtype != dtype:
+        raise TypeError(f"inputs_embeds is {inputs_embeds.dtype} but the model computes in {dtype}: convert it with "
+                        f"inputs_embeds.to({dtype})")
+    _check_placement("inputs_embeds", inputs_embeds, device)
+
+
+def check_cache_device(cache, device: torch.device) -> None:
+    if cache.positions.device != device:
+        raise ValueError(f"cache is on {cache.positions.device} but the model on {device}: move it with "
+                         f"cache.to({str(device)!r})")
+
+
+def _check_placement(name: str, tensor: torch.Tensor, device: torch.device) -> None:
+    """On the model's device, with at least one row and one token."""
+    if tensor.device != device:
+        raise ValueError(f"{name} is on {tensor.device} but the model on {device}: move it with .to({str(device)!r})")
+    if tensor.shape[0] == 0 or tensor.shape[1] == 0:
+        raise ValueError(f"{name} must hold at least one row and one token, got shape {tuple(tensor.shape)} "
+                         "[batch, time, ...]")
