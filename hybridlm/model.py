@@ -166,13 +166,22 @@ class HybridModel(HybridPreTrainedModel):
 
     # --- caches ---------------------------------------------------------------------------------
 
-    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None) -> HybridCache:
-        """An empty cache for ``batch_size`` rows; attention layers preallocate ``max_length`` slots if given."""
+    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None,
+                  policy=None) -> HybridCache:
+        """An empty cache for ``batch_size`` rows; attention layers preallocate ``max_length`` slots if given.
+        ``policy`` (a :class:`~hybridlm.CachePolicy`, or ``{state index: CachePolicy}``) picks the KV layout of
+        attention layers (quantized, sinks + window, heavy hitters); it stays with the cache."""
         device = device if device is not None else self.embed_tokens.weight.device
         dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
         kinds, states = self._init_states(batch_size, max_length, device, dtype)
+        if policy is not None:
+            from .kv.policy import apply_policy
+
+            states = apply_policy(states, policy)
         fixed = [mixer is None or not mixer.grows_with_context for mixer in self._state_mixers()]
-        return HybridCache(states, kinds, self._signature(dtype), batch_size, device, linear=fixed)
+        cache = HybridCache(states, kinds, self._signature(dtype), batch_size, device, linear=fixed)
+        cache.policy = policy
+        return cache
 
     def _init_states(self, batch_size, max_length, device, dtype) -> tuple[list[str], list[LayerState]]:
         """Kinds and empty states: one per layer, then one per shared-block application."""
@@ -210,13 +219,17 @@ class HybridModel(HybridPreTrainedModel):
         cache: HybridCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        cache_policy=None,
         **kwargs,
     ) -> HybridModelOutput:
         forward_kwargs(type(self).__name__, kwargs)
         hidden = self._embed(input_ids, inputs_embeds)
         batch, time = hidden.shape[:2]
         if cache is None and use_cache:
-            cache = self.new_cache(batch)
+            cache = self.new_cache(batch, policy=cache_policy)
+        elif cache is not None and cache_policy is not None and cache_policy != cache.policy:
+            raise ValueError(f"cache_policy={cache_policy} differs from the policy this cache was made with "
+                             f"({cache.policy}); a policy cannot change during generation")
         if cache is not None:
             self._check_cache(cache, batch, hidden.dtype)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -337,8 +350,9 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None) -> HybridCache:
-        return self.model.new_cache(batch_size, max_length, device, dtype)
+    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None,
+                  policy=None) -> HybridCache:
+        return self.model.new_cache(batch_size, max_length, device, dtype, policy)
 
     def forward(
         self,
@@ -350,11 +364,13 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
+        cache_policy=None,
         **kwargs,
     ) -> HybridCausalLMOutput:
         """``use_cache=True`` starts a new cache (returned as ``.cache``); ``cache=...`` continues one."""
         kwargs = forward_kwargs(type(self).__name__, kwargs)
-        out = self.model(input_ids, attention_mask, position_ids, cache, use_cache, inputs_embeds, **kwargs)
+        out = self.model(input_ids, attention_mask, position_ids, cache, use_cache, inputs_embeds,
+                         cache_policy=cache_policy, **kwargs)
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
