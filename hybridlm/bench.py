@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from tqdm import tqdm
 
 from . import ops
 from .cache import HybridCache, KVLayout, StateGroup
+from .mixers import mixer_parts
 from .model import HybridForCausalLM
 
 
@@ -167,3 +169,33 @@ def scan_speedups(length: int = 2048, repeats: int = 3, warmup: int = 1) -> list
         rows.append({"op": name, "length": length, "chunked": fast, "loop": slow,
                      "speedup": slow.median_ms / fast.median_ms, "speedup_min": slow.min_ms / fast.min_ms})
     return rows
+
+
+# --- reporting ---------------------------------------------------------------------------------------
+
+
+def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """Plain-text table; ``columns`` are ``(key, heading, format)``."""
+    cells = [[heading for _, heading, _ in columns]]
+    cells += [[format(row[key], fmt) if fmt else str(row[key]) for key, _, fmt in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+             for line in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def mixers_by_kind(model: HybridForCausalLM) -> tuple[dict[str, int], dict[str, int]]:
+    """Per mixer kind: how many layers run one, and their parameters (a parallel layer counts per branch)."""
+    layers, params = Counter(), Counter()
+    for block in model.model.layers:
+        parts = mixer_parts(block.mixer_type)
+        for kind in parts:
+            mixer = block.mixer if len(parts) == 1 else getattr(block.mixer, kind)
+            layers[kind] += 1
+            params[kind] += sum(p.numel() for p in mixer.parameters())
+    shared = model.model.shared
+    if shared is not None:
+        layers["shared_attention"] = len(shared.layers)
+        params["shared_attention"] = sum(p.numel() for p in shared.parameters())
+    return layers, params

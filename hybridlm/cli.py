@@ -96,17 +96,6 @@ def main(argv: list[str] | None = None) -> None:
 # --- helpers ---------------------------------------------------------------------------------------
 
 
-def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """Plain-text table; ``columns`` are ``(key, heading, format)``."""
-    cells = [[heading for _, heading, _ in columns]]
-    cells += [[format(row[key], fmt) if fmt else str(row[key]) for key, _, fmt in columns] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-             for line in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 def _build(config, seed: int = 0):
     import torch
 
@@ -141,7 +130,7 @@ def _config_from(path: str):
     option("--warmup", type=int, default=2, help="untimed decode steps before timing"),
 )
 def run_demo(args) -> None:
-    from .bench import compare_stacks
+    from .bench import compare_stacks, table
     from .bundled import BUNDLED_MODELS, load_bundled
     from .training import stdlib_corpus
     from .training.evaluation import HeldOut
@@ -164,7 +153,7 @@ def run_demo(args) -> None:
     columns += [(c, f"decode ms/token @{c // 1024}K", ".2f") for c in args.contexts]
     print(f"\nHeld-out: the first {args.eval_rows} x 512 tokens of the standard-library files the models never saw; "
           f"decode: batch 1, {args.warmup} warm-up steps, then min / median of {args.steps}.")
-    print(_table(rows, columns))
+    print(table(rows, columns))
     hybrid, attention = rows
     print(f"\nThe hybrid holds {attention['bytes_per_token'] / hybrid['bytes_per_token']:.1f}x fewer cache bytes per "
           "token. Its decode speed-up grows with the context: " + ", ".join(
@@ -200,7 +189,7 @@ def run_info(args) -> None:
         name = args.preset or DEFAULT_PRESET
         config = preset(name)
         print(f"preset: {name}" + ("" if args.preset else " (the default; choose with --preset or --config)"))
-    from .bench import cache_bytes, fill_cache
+    from .bench import cache_bytes, fill_cache, mixers_by_kind, table
 
     model = _build(config)
     print(f"layers: {config.num_hidden_layers}  hidden: {config.hidden_size}  "
@@ -209,32 +198,12 @@ def run_info(args) -> None:
     print(f"cache per sequence ({model.dtype}): {fixed:,} B fixed + {per_token:,.0f} B per token of context")
     cache = model.new_cache(1)
     fill_cache(cache, args.context)
-    layers, params = _mixers_by_kind(model)
+    layers, params = mixers_by_kind(model)
     rows = [{"kind": kind, "layers": layers.get(kind, 0), "params": params.get(kind, 0), "bytes": nbytes}
             for kind, nbytes in cache.nbytes_by_kind().items()]
     print(f"\nby layer kind, cache at {args.context} tokens of context:")
-    print(_table(rows, [("kind", "kind", ""), ("layers", "layers", "d"), ("params", "mixer parameters", ",d"),
+    print(table(rows, [("kind", "kind", ""), ("layers", "layers", "d"), ("params", "mixer parameters", ",d"),
                         ("bytes", "cache bytes", ",d")]))
-
-
-def _mixers_by_kind(model) -> tuple[dict[str, int], dict[str, int]]:
-    """Per mixer kind: how many layers run one, and their parameters (a parallel layer counts per branch)."""
-    from collections import Counter
-
-    from .config import mixer_parts
-
-    layers, params = Counter(), Counter()
-    for block in model.model.layers:
-        parts = mixer_parts(block.mixer_type)
-        for kind in parts:
-            mixer = block.mixer if len(parts) == 1 else getattr(block.mixer, kind)
-            layers[kind] += 1
-            params[kind] += sum(p.numel() for p in mixer.parameters())
-    shared = model.model.shared
-    if shared is not None:
-        layers["shared_attention"] = len(shared.layers)
-        params["shared_attention"] = sum(p.numel() for p in shared.parameters())
-    return layers, params
 
 
 @command(
@@ -247,7 +216,7 @@ def _mixers_by_kind(model) -> tuple[dict[str, int], dict[str, int]]:
     option("--skip-scans", action="store_true", help="leave out the scan comparison"),
 )
 def run_bench(args) -> None:
-    from .bench import compare_stacks, scan_speedups
+    from .bench import compare_stacks, scan_speedups, table
     from .presets import preset
 
     names = {"all-attention": "attention-small", "jamba 1:7": "jamba-small", "all-mamba2": "mamba2-small"}
@@ -263,11 +232,11 @@ def run_bench(args) -> None:
     for row in rows:
         row["growth"] = row[contexts[-1]].median_ms / row[contexts[0]].median_ms
     columns.append(("growth", f"median {contexts[-1]}/{contexts[0]}", ".2f"))
-    print(_table(rows, columns))
+    print(table(rows, columns))
     if not args.skip_scans:
         print(f"\nreference scans, chunked vs one step per token (length {args.scan_length}; ms min / median of "
               f"{args.scan_repeats} after {args.warmup} warm-up):")
-        print(_table(scan_speedups(args.scan_length, args.scan_repeats, args.warmup),
+        print(table(scan_speedups(args.scan_length, args.scan_repeats, args.warmup),
                      [("op", "op", ""), ("chunked", "chunked ms", ".1f"), ("loop", "loop ms", ".1f"),
                       ("speedup", "speedup (median)", ".1f"), ("speedup_min", "speedup (min)", ".1f")]))
 
