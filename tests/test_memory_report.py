@@ -1,0 +1,66 @@
+"""The memory-tax report reproduces published figures from published config.json values (written inline)."""
+
+import pytest
+
+from hybridlm.kv.memory import memory_rows, read_any_config
+
+LLAMA_2_7B = dict(model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, vocab_size=32000, rms_norm_eps=1e-5,
+                  max_position_embeddings=4096)
+# Mistral-7B-Instruct-v0.2's config (sliding_window null, as the Jamba paper's figure assumes)
+MISTRAL_7B = dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rope_theta=1e6,
+                  sliding_window=None, max_position_embeddings=32768)
+JAMBA_V01 = dict(model_type="jamba", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, vocab_size=65536, attn_layer_period=8,
+                 attn_layer_offset=4, expert_layer_period=2, expert_layer_offset=1, num_experts=16,
+                 num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=256,
+                 mamba_conv_bias=True, mamba_proj_bias=False, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                 max_position_embeddings=262144)
+LLAMA_3_70B = dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                   num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                   max_position_embeddings=8192)
+
+GIB, CONTEXT = 2**30, 256 * 1024
+
+
+def row(config, bits=16, context=CONTEXT):
+    (only,) = memory_rows(read_any_config(config), [context], kv_bits=[bits])
+    return only
+
+
+@pytest.mark.parametrize("config, gigabytes", [(LLAMA_2_7B, 128), (MISTRAL_7B, 32), (JAMBA_V01, 4)],
+                         ids=["llama-2-7b", "mistral-7b", "jamba"])
+def test_jamba_paper_kv_cache_table_at_256k(config, gigabytes):
+    r = row(config)
+    assert r["kv_bytes"] - r["kv_bytes"] % GIB == gigabytes * GIB  # KV alone: exactly the table's figure
+    assert round(r["bytes_per_request"] / GIB) == gigabytes  # with Jamba's Mamba states: still 4 GB
+    attention_layers = 4 if config is JAMBA_V01 else 32
+    kv_heads = config["num_key_value_heads"]
+    assert r["bytes_per_token"] == attention_layers * 2 * kv_heads * 128 * 2
+
+
+def test_llama_3_70b_is_320_kib_per_token_with_gqa():
+    assert row(LLAMA_3_70B, context=4096)["bytes_per_token"] == 320 * 1024
+
+
+def test_weights_match_the_published_parameter_counts():
+    assert abs(row(LLAMA_2_7B, context=1)["weight_bytes"] / 2 - 6.74e9) < 0.01e9
+    assert 51e9 < row(JAMBA_V01, context=1)["weight_bytes"] / 2 < 52.5e9  # "52B total parameters"
+
+
+def test_quantized_and_windowed_rows():
+    four = row(LLAMA_2_7B, bits=4)
+    # 4-bit codes plus fp16 scales and zeros per group of 32: 160 of 512 bytes per token per head and layer, but
+    # the newest 128 tokens (the default kv_residual) stay in 16 bits
+    quantized = CONTEXT - 128
+    assert four["bytes_per_token"] * CONTEXT == 32 * 32 * (quantized * 160 + 128 * 512)
+    windowed = row(dict(MISTRAL_7B, sliding_window=4096))  # Mistral-7B-v0.1: a 4096-token window
+    assert windowed["kv_bytes"] == 32 * 2 * 8 * 4095 * 128 * 2 + 32 * 8
+
+
+def test_bad_report_arguments_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="context"):
+        memory_rows(read_any_config(LLAMA_2_7B), [0])
+    with pytest.raises(FileNotFoundError, match="--model"):
+        read_any_config(tmp_path / "missing")
