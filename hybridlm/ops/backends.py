@@ -38,6 +38,7 @@ from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from .compressed_attention import causal_compressed_attention_ref
 from .delta_rule import gated_delta_rule_ref, gated_delta_rule_step_ref
 from .linear_attention import causal_linear_attention_ref
+from .packing import PACKING_ARGUMENTS, takes_packing
 from .selective_scan import selective_scan_ref, selective_state_update_ref
 from .ssd import ssd_chunk_scan_ref
 
@@ -192,35 +193,21 @@ def load(backend: str, op: str, device_type: str) -> Callable:
 
 # ---- plans and selections -------------------------------------------------------------------------------------
 
-PACKING_ARGUMENTS = ("seq_idx", "cu_seqlens")  # packed sequences (see hybridlm.ops.packing)
-
-
-def _takes_packing(function: Callable) -> bool:
-    """Whether ``function`` accepts packed sequences; a backend that does not is never given them."""
-    try:
-        parameters = inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return False
-    return any(name in parameters for name in PACKING_ARGUMENTS)
-
-
 class Plan:
-    """How one op runs on one device type: ``candidates`` tried in turn while they decline, then ``last``.
-    A call with packed sequences skips the candidates that cannot take them; ``last`` refuses it if it cannot."""
+    """How one op runs on a device type: ``candidates`` tried while they decline (or take no packing), then ``last``."""
 
     __slots__ = ("candidates", "last", "names", "packing")
 
     def __init__(self, candidates: tuple[Callable, ...], last: Callable, names: tuple[str, ...]):
         self.candidates, self.last, self.names = candidates, last, names
-        self.packing = tuple(map(_takes_packing, (*candidates, last)))  # which of them take packed sequences
+        self.packing = tuple(map(takes_packing, (*candidates, last)))  # which of them take packed sequences
 
     def __call__(self, *args, **kwargs):
         packed = bool(kwargs) and any(kwargs.get(name) is not None for name in PACKING_ARGUMENTS)
         for candidate, packs in zip(self.candidates, self.packing):
-            if packed and not packs:
-                continue
             try:
-                return candidate(*args, **kwargs)
+                if packs or not packed:
+                    return candidate(*args, **kwargs)
             except Declined:
                 pass
         if packed and not self.packing[-1]:
@@ -233,8 +220,7 @@ def _forced_plan(op: str, backend: str, device_type: str) -> Plan:
         function = load(backend, op, device_type)
     except BackendUnavailable as error:
         message = str(error)
-
-        @functools.wraps(REFERENCES[op])  # the op's signature: a packed call gets this message too
+        @functools.wraps(REFERENCES[op])  # the op's signature (packing included): every call gets this message
         def unavailable(*args, **kwargs):
             raise BackendUnavailable(message)
 

@@ -7,9 +7,13 @@ Packed input has batch size 1; an op given either treats each sequence as if it 
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+
+PACKING_ARGUMENTS = ("seq_idx", "cu_seqlens")  # the keyword arguments that describe packed sequences
 
 
 def packed_sequences(
@@ -71,3 +75,12 @@ def token_sequences(bounds: list[int], device) -> torch.Tensor:
     """``[time]``: the sequence number of each token (``seq_idx`` without its batch axis)."""
     lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=device)
     return torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+
+
+def takes_packing(function: Callable) -> bool:
+    """Whether ``function`` (an op's backend) accepts packed sequences; one that does not is never given them."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
+    return any(name in parameters for name in PACKING_ARGUMENTS)
