@@ -242,6 +242,32 @@ def run_bench(args) -> None:
 
 
 @command(
+    "memory", "Cache bytes per request and per token by layer kind, at contexts and KV bit widths, beside the "
+              "weights' bytes, for any config hybridlm reads (plain llama / mistral / mixtral / qwen2 / qwen3 too).",
+    option("--model", required=True, metavar="CONFIG_OR_DIR", help="a config.json or a checkpoint directory"),
+    option("--context", type=int, nargs="+", default=[4096, 32768, 131072], help="context lengths"),
+    option("--batch", type=int, default=1, help="sequences per request"),
+    option("--kv-bits", type=int, nargs="+", default=[16, 8, 4], help="KV bit widths (16: unquantized)"),
+    option("--json", action="store_true", help="print the rows as JSON instead of a table"),
+)
+def run_memory(args) -> None:
+    import json
+
+    from .bench import table
+    from .kv.memory import memory_rows, read_any_config
+
+    rows = memory_rows(read_any_config(args.model), args.context, args.batch, args.kv_bits, name=args.model)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    for row in rows:
+        row["request_gib"], row["weights_gib"] = row["bytes_per_request"] / 2**30, row["weight_bytes"] / 2**30
+    print(table(rows, [("context", "context", ",d"), ("kv_bits", "KV bits", "d"), ("batch", "batch", "d"),
+                       ("bytes_per_token", "KV B/token", ",.0f"), ("fixed_bytes", "fixed B", ",d"),
+                       ("request_gib", "cache GiB/request", ",.3f"), ("weights_gib", "weights GiB (16-bit)", ",.2f")]))
+
+
+@command(
     "generate", "Generate from a checkpoint (any supported format, default: the bundled hybrid); text in and out.",
     option("--model", metavar="DIR_OR_HUB_ID",
            help="checkpoint directory, or a hub id already in the local Hugging Face cache; default: the bundled "
@@ -255,6 +281,10 @@ def run_bench(args) -> None:
     option("--top-p", type=float, help="nucleus sampling threshold in (0, 1]; default: no top-p filtering"),
     option("--seed", type=int, help="random seed for sampling; default: not seeded"),
     option("--prefill-chunk", type=int, default=512, help="prompt tokens fed per forward during prefill"),
+    option("--kv-bits", type=int, default=16, help="KV cache bits: 16, or 8 / 4 / 2 (KIVI quantization)"),
+    option("--sink-tokens", type=int, default=0, help="attention sinks kept with --window (StreamingLLM)"),
+    option("--window", type=int, help="keep only the last WINDOW tokens' keys and values (with --sink-tokens); "
+                                      "default: keep every token"),
 )
 def run_generate(args) -> None:
     import torch
@@ -280,17 +310,21 @@ def run_generate(args) -> None:
     stops = [eos] if isinstance(eos, int) else list(eos or [])
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    _stream(model, tokenizer, prompt_ids, stops, settings, args.prefill_chunk)
+    from .kv.policy import CachePolicy
+
+    policy = CachePolicy(kv_bits=args.kv_bits, sink_tokens=args.sink_tokens, window=args.window)
+    _stream(model, tokenizer, prompt_ids, stops, settings, args.prefill_chunk, None if policy.is_default else policy)
 
 
-def _stream(model, tokenizer, prompt_ids: list[int], stops: list[int], settings: dict, chunk: int = 512) -> None:
+def _stream(model, tokenizer, prompt_ids: list[int], stops: list[int], settings: dict, chunk: int = 512,
+            policy=None) -> None:
     """Print the continuation of ``prompt_ids`` as it is generated (text with a tokenizer, else token ids),
     stopping at a stop token."""
     from .generation import IncrementalDecoder
 
     generated, shown = [], ""
-    for step in IncrementalDecoder(model, prefill_chunk_size=chunk).stream([prompt_ids], stop_tokens=stops,
-                                                                           **settings):
+    decoder = IncrementalDecoder(model, prefill_chunk_size=chunk, cache_policy=policy)
+    for step in decoder.stream([prompt_ids], stop_tokens=stops, **settings):
         token = step[0].item()
         if token in stops:
             break

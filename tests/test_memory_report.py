@@ -64,3 +64,16 @@ def test_bad_report_arguments_are_rejected(tmp_path):
         memory_rows(read_any_config(LLAMA_2_7B), [0])
     with pytest.raises(FileNotFoundError, match="--model"):
         read_any_config(tmp_path / "missing")
+
+
+def test_memory_command_prints_json_rows(tmp_path, capsys):
+    import json
+
+    from hybridlm.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_70B))
+    main(["memory", "--model", str(tmp_path), "--context", "1024", "262144", "--kv-bits", "16", "4", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["context"], r["kv_bits"]) for r in rows] == [(1024, 16), (262144, 16), (1024, 4), (262144, 4)]
+    assert rows[0]["bytes_per_token"] == 320 * 1024 and rows[1]["bytes_per_request"] == 80 * GIB + 80 * 8 + 8  # + int64 counters
+    assert all({"batch", "bytes_per_token", "bytes_per_request"} <= set(r) for r in rows)
