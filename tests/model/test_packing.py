@@ -177,3 +177,23 @@ def test_performer_stabiliser_restarts_at_each_document():
         packed = performer(torch.cat([quiet, loud], dim=1), segments=segments)
         assert_close_rel(packed[:, :5], performer(quiet))
         assert_close_rel(packed[:, 5:], performer(loud))
+
+
+def test_a_kind_without_segments_runs_once_per_document():
+    """mix() for a mixer whose forward takes no ``segments`` (a user's kind): each document in its own call."""
+    from hybridlm.mixers.segments import Segments, mix, takes_segments
+
+    mamba = tiny_model(0, layer_pattern="M").model.layers[0].mixer
+
+    class Unpacked(torch.nn.Module):
+        def forward(self, x, state=None, *, mask=None, positions=None):
+            return mamba(x, state, mask=mask, positions=positions)
+
+    assert not takes_segments(Unpacked) and takes_segments(type(mamba))
+    x = torch.randn(2, 7, 32)
+    segments = Segments.from_position_ids(torch.tensor([[0, 1, 2, 0, 1, 0, 1], [0, 1, 2, 3, 4, 5, 0]]))
+    with torch.no_grad():
+        alone = torch.cat([mamba(x[r:r + 1, a:b]) for r, cuts in ((0, (0, 3, 5, 7)), (1, (0, 6, 7)))
+                           for a, b in zip(cuts, cuts[1:])], dim=1).view(2, 7, 32)
+        assert_close_rel(mix(Unpacked(), x, positions=segments.positions(), segments=segments), alone)
+        assert_close_rel(mix(mamba, x, positions=segments.positions(), segments=segments), alone)
