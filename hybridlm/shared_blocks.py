@@ -96,6 +96,6 @@ class SharedBlocks(nn.Module):
                 for k in range(len(self.layers))]
 
     def forward(self, application: int, hidden, embeddings, state=None, mask=None, positions=None, segments=None):
-        """What application ``application`` adds to its layer's mixer input."""
+        """What application ``application`` adds to its layer's mixer input (``segments``: packed documents)."""
         return self.block_of(application)(hidden, embeddings, self.sites[application], state, mask, positions,
                                           segments)
