@@ -37,6 +37,8 @@ def bundle(name: str, run: Path, seq_len: int) -> dict:
     shutil.rmtree(target, ignore_errors=True)
     model = HybridForCausalLM.from_pretrained(run, dtype=torch.float32)
     model.to(torch.bfloat16).save_pretrained(target)
+    config_file = target / "config.json"  # stored in bfloat16, loaded (dtype="auto") and computed in float32
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "dtype": "float32"}, indent=2) + "\n")
     for file in TOKENIZER_FILES:
         shutil.copy(run / file, target / file)
     shipped = HybridForCausalLM.from_pretrained(bundled_model_dir(name), dtype=torch.float32).eval()

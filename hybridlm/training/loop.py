@@ -121,9 +121,10 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
             window_loss, window_targets, window_start = 0.0, 0, now
         final = step + 1 == config.steps
         if eval_rows is not None and ((step + 1) % config.eval_every == 0 or final):
-            eval_loss = evaluate(model, eval_rows, config.layout, None if final else config.eval_rows,
-                                 precision=config.precision)
-            row = {"step": step + 1, "tokens": state["tokens"], "eval_loss": eval_loss}
+            used = len(eval_rows) if final else min(config.eval_rows, len(eval_rows))
+            eval_loss = evaluate(model, eval_rows, config.layout, used, precision=config.precision)
+            row = {"step": step + 1, "tokens": state["tokens"], "eval_loss": eval_loss,
+                   "eval_tokens": used * eval_rows.ids.shape[1]}
             if tokens_per_byte is not None:
                 row["bits_per_byte"] = eval_loss * tokens_per_byte / math.log(2)
             last.update(row)

@@ -37,12 +37,16 @@ def plot_loss(rows: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     train = [(r["tokens"], r["loss"]) for r in rows if "loss" in r]
-    held_out = [(r["tokens"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    held_out: dict[int, list] = {}  # periodic evaluations on a subset, the final one on every held-out row
+    for r in rows:
+        if "eval_loss" in r:
+            held_out.setdefault(r.get("eval_tokens", 0), []).append((r["tokens"], r["eval_loss"]))
     fig, ax = plt.subplots(figsize=(7, 4))
     if train:
         ax.plot(*zip(*train), label="training loss (running mean)")
-    if held_out:
-        ax.plot(*zip(*held_out), "o-", label="held-out loss")
+    for eval_tokens, points in sorted(held_out.items()):
+        ax.plot(*zip(*points), "o-" if len(points) > 1 else "s",
+                label=f"held-out loss ({eval_tokens:,} tokens)" if eval_tokens else "held-out loss")
     ax.set_xlabel("tokens")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
