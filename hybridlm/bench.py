@@ -88,12 +88,60 @@ def _fill_kv(state: KVLayout, context: int, generator, chunk: int = 4096) -> Non
 
 
 @torch.no_grad()
-def decode_timing(model: HybridForCausalLM, context: int, steps: int = 8, batch: int = 1, warmup: int = 2) -> Timing:
-    """Time of one decode step with about ``context`` tokens already in the cache (each step adds one)."""
-    cache = model.new_cache(batch, max_length=context + warmup + steps + 1)
+def decode_timing(model: HybridForCausalLM, context: int, steps: int = 8, batch: int = 1, warmup: int = 2,
+                  policy=None) -> Timing:
+    """Time of one decode step with about ``context`` tokens already in the cache (each step adds one), under
+    a :class:`~hybridlm.CachePolicy` if given."""
+    cache = model.new_cache(batch, max_length=context + warmup + steps + 1, policy=policy)
     fill_cache(cache, context, torch.Generator().manual_seed(0))
     token = torch.zeros(batch, 1, dtype=torch.long)
     return time_calls(lambda: model(token, cache=cache), repeats=steps, warmup=warmup)
+
+
+def context_rows(models: dict[str, HybridForCausalLM], policies: dict, contexts: list[int], steps: int = 4,
+                 warmup: int = 1) -> list[dict]:
+    """For each stack and cache policy (``{label: CachePolicy or None}``), at each context: the cache bytes
+    held (``nbytes()``), the decode :class:`Timing` and the process's peak RSS so far. The cache is filled
+    through each layout's own update in chunks (:func:`fill_cache`), so peak memory stays bounded by the cache."""
+    import resource
+
+    rows = []
+    for stack, model in models.items():
+        for label, policy in policies.items():
+            for context in contexts:
+                cache = model.new_cache(1, policy=policy)
+                fill_cache(cache, context)
+                rows.append(dict(stack=stack, policy=label, context=context, cache_bytes=cache.nbytes(),
+                                 decode=decode_timing(model, context, steps, warmup=warmup, policy=policy),
+                                 peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    return rows
+
+
+def plot_context_rows(rows: list[dict], path: str) -> str:
+    """Decode ms/token and cache bytes against context, one line per stack and policy (needs matplotlib: the
+    ``plot`` extra). Returns what was done, for the caller to print."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no plot: matplotlib is not installed (pip install 'hybridlm[plot]')"
+    figure, (speed, size) = plt.subplots(1, 2, figsize=(11, 4))
+    for key in dict.fromkeys((r["stack"], r["policy"]) for r in rows):
+        mine = [r for r in rows if (r["stack"], r["policy"]) == key]
+        label = f"{key[0]}, {key[1]}"
+        speed.plot([r["context"] for r in mine], [r["decode"].median_ms for r in mine], marker="o", label=label)
+        size.plot([r["context"] for r in mine], [r["cache_bytes"] for r in mine], marker="o", label=label)
+    for axis, name in [(speed, "decode ms/token (median)"), (size, "cache bytes")]:
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("context (tokens)")
+        axis.set_ylabel(name)
+    size.legend(fontsize=6)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return f"wrote {path}"
 
 
 def cache_bytes(model: HybridForCausalLM, context: int) -> tuple[int, float]:

@@ -214,6 +214,9 @@ def run_info(args) -> None:
     option("--scan-length", type=int, default=2048, help="sequence length of the scan comparison"),
     option("--scan-repeats", type=int, default=5, help="timed runs per scan"),
     option("--skip-scans", action="store_true", help="leave out the scan comparison"),
+    option("what", nargs="?", choices=["stacks", "context"], default="stacks",
+           help="stacks: the comparison above; context: each stack with fp, 8- and 4-bit KV and sinks + window"),
+    option("--plot", help="with 'context': write a PNG plot here (needs matplotlib); default: no plot"),
 )
 def run_bench(args) -> None:
     from .bench import compare_stacks, scan_speedups, table
@@ -222,6 +225,9 @@ def run_bench(args) -> None:
     names = {"all-attention": "attention-small", "jamba 1:7": "jamba-small", "all-mamba2": "mamba2-small"}
     models = {label: _build(preset(name, mlp_types=["dense"] * 8, expert_layer_period=None))
               for label, name in names.items()}
+    if args.what == "context":
+        _bench_context(models, args)
+        return
     contexts = args.contexts
     rows = compare_stacks(models, contexts, steps=args.steps, warmup=args.warmup)
     print(f"decode ms/token, min / median of {args.steps} steps after {args.warmup} warm-up (batch 1), "
@@ -239,6 +245,23 @@ def run_bench(args) -> None:
         print(table(scan_speedups(args.scan_length, args.scan_repeats, args.warmup),
                      [("op", "op", ""), ("chunked", "chunked ms", ".1f"), ("loop", "loop ms", ".1f"),
                       ("speedup", "speedup (median)", ".1f"), ("speedup_min", "speedup (min)", ".1f")]))
+
+
+def _bench_context(models, args) -> None:
+    from .bench import context_rows, plot_context_rows, table
+    from .kv.policy import CachePolicy
+
+    policies = {"fp": None, "8-bit": CachePolicy(kv_bits=8), "4-bit": CachePolicy(kv_bits=4),
+                "sinks 4 + window 1020": CachePolicy(sink_tokens=4, window=1020)}
+    mamba = {"all-mamba2": models.pop("all-mamba2")}  # no attention layers: a policy changes nothing
+    rows = context_rows(models, policies, args.contexts, args.steps, args.warmup)
+    rows += context_rows(mamba, {"fp": None}, args.contexts, args.steps, args.warmup)
+    print(f"cache bytes and decode ms/token (min / median of {args.steps} after {args.warmup} warm-up), batch 1:")
+    print(table(rows, [("stack", "stack", ""), ("policy", "KV policy", ""), ("context", "context", ",d"),
+                       ("cache_bytes", "cache bytes", ",d"), ("decode", "decode ms", ".2f"),
+                       ("peak_rss_mib", "peak RSS MiB", ",.0f")]))
+    if args.plot:
+        print(plot_context_rows(rows, args.plot))
 
 
 @command(

@@ -75,5 +75,19 @@ def test_memory_command_prints_json_rows(tmp_path, capsys):
     main(["memory", "--model", str(tmp_path), "--context", "1024", "262144", "--kv-bits", "16", "4", "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert [(r["context"], r["kv_bits"]) for r in rows] == [(1024, 16), (262144, 16), (1024, 4), (262144, 4)]
-    assert rows[0]["bytes_per_token"] == 320 * 1024 and rows[1]["bytes_per_request"] == 80 * GIB + 80 * 8 + 8  # + int64 counters
+    assert rows[0]["bytes_per_token"] == 320 * 1024
+    assert rows[1]["bytes_per_request"] == 80 * GIB + 80 * 8 + 8  # + int64 counters
     assert all({"batch", "bytes_per_token", "bytes_per_request"} <= set(r) for r in rows)
+
+
+def test_context_bench_rows_measure_held_bytes():
+    from hybridlm import CachePolicy
+    from hybridlm.bench import context_rows
+    from tests.helpers import tiny_model
+
+    policies = {"fp": None, "4-bit": CachePolicy(kv_bits=4, kv_group_size=8, kv_residual=0),
+                "sinks": CachePolicy(sink_tokens=2, window=6)}
+    rows = context_rows({"AM": tiny_model(layer_pattern="AM")}, policies, [16, 48], steps=1, warmup=0)
+    size = {(r["policy"], r["context"]): r["cache_bytes"] for r in rows}
+    assert size["sinks", 16] == size["sinks", 48] < size["4-bit", 48] < size["fp", 48]
+    assert all(r["decode"].median_ms > 0 and r["peak_rss_mib"] > 0 for r in rows)
