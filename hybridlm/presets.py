@@ -37,6 +37,8 @@ PRESETS: dict[str, dict] = {
                                                   "none"],
                              mlp_types=["none", "dense"] * 4, partial_rotary_factor=0.0, mlp_activation="relu2",
                              mamba2_dt_limit=[0.001, float("inf")]),  # Nemotron-H clamps dt at time_step_min
+    "lfm2-small": dict(_SMALL, layer_pattern="CCACCACA", attention_qk_norm=True),
+    "qwen3-next-small": dict(_SMALL, layer_pattern="DDDADDDA", attention_qk_norm=True, attention_output_gate=True),
     "hybrid-tiny": dict(_TINY, layer_pattern="SSSASSSA", intermediate_size=384),
     "attention-tiny": dict(_TINY, layer_pattern="AAAAAAAA", intermediate_size=512),
 }
@@ -44,7 +46,7 @@ PRESETS: dict[str, dict] = {
 
 #: The preset that each writable foreign format holds (``hybridlm convert --to FORMAT`` accepts it).
 FORMAT_PRESETS = {"jamba": "jamba-small", "bamba": "bamba-small", "mamba2": "mamba2-lm-small",
-                  "nemotron_h": "nemotron-h-small"}
+                  "nemotron_h": "nemotron-h-small", "lfm2": "lfm2-small", "qwen3_next": "qwen3-next-small"}
 
 
 def preset(name: str, **overrides) -> HybridConfig:

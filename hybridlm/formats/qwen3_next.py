@@ -176,7 +176,7 @@ def from_config(config: HybridConfig) -> dict:
         "layer_types": [theirs[kind] for kind in config.layer_types],
         "mlp_only_layers": positions(config.mlp_types, "dense"),
         "decoder_sparse_step": 1,
-        "num_experts": config.num_experts if "moe" in config.mlp_types else 0,
+        "num_experts": config.num_experts,  # dense layers are listed in mlp_only_layers
         "hidden_act": "silu",
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
                             "partial_rotary_factor": config.partial_rotary_factor},
