@@ -21,7 +21,8 @@ VOCAB = 256
 
 def tiny_lfm2(**overrides) -> transformers.Lfm2ForCausalLM:
     settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=144, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "conv"],
+                    num_attention_heads=4, num_key_value_heads=2,
+                    layer_types=["conv", "full_attention", "conv", "conv"],
                     block_multiple_of=16, block_ffn_dim_multiplier=1.5, tie_word_embeddings=False, pad_token_id=0)
     return tiny_transformers_model(transformers.Lfm2ForCausalLM, transformers.Lfm2Config(**{**settings, **overrides}))
 
