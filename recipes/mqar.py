@@ -25,10 +25,11 @@ from pathlib import Path
 from hybridlm.training.mqar import MIXER_PATTERNS
 
 FULL = dict(mixers=list(MIXER_PATTERNS), widths=[64, 128], state_sizes=[16, 64],
-            cells=["64:4", "128:8", "256:16", "256:32", "512:64"], lrs=[1e-3, 3e-3, 1e-2], steps=1500)
-# Two cells, width 64: at (128, 16) the fixed states of size 16 are too small for the pairs, attention's is not.
+            cells=["64:4", "128:8", "256:16", "256:32", "512:64"], lrs=[1e-3, 3e-3, 1e-2], steps=1500,
+            vocab_size=8192)
+# Two short cells, width 64, state size 16, one learning rate: 4 pairs fit in every state, 16 strain the small ones.
 QUICK = dict(mixers=["attention", "mamba2", "performer", "linformer", "hybrid-1:3"], widths=[64],
-             state_sizes=[16], cells=["64:4", "128:16"], lrs=[3e-3], steps=600)
+             state_sizes=[16], cells=["64:4", "64:16"], lrs=[1e-2], steps=1500, vocab_size=8192)
 
 
 def parse_args(argv=None):
@@ -43,9 +44,11 @@ def parse_args(argv=None):
     add("--lrs", nargs="+", type=float, help="learning rates tried per model and cell; the best is kept")
     add("--steps", type=int, help="optimizer steps per training run")
     add("--batch-size", type=int, default=32, help="(default: %(default)s)")
-    add("--train-rows", type=int, default=16384, help="training rows per cell (default: %(default)s)")
+    add("--train-rows", type=int, default=None,
+        help="training rows per cell (default: steps x batch size, every row seen once: with fewer, rows repeat "
+             "and the models learn the training pairs by heart instead of recall)")
     add("--test-rows", type=int, default=1000, help="held-out rows per cell (default: %(default)s)")
-    add("--vocab-size", type=int, default=8192, help="(default: %(default)s, as in Zoology)")
+    add("--vocab-size", type=int, help="keys and values split it in half (FULL: 8192, as in Zoology)")
     add("--workers", type=int, default=1, help="training runs in parallel, one thread each (default: %(default)s)")
     add("--resume", action="store_true", help="keep the rows already in OUT/results.json and run the rest")
     add("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -54,6 +57,13 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.cells = [_cell(text) for text in args.cells]
+    if args.train_rows is None:
+        args.train_rows = args.steps * args.batch_size
+    for name in ("steps", "batch_size", "train_rows", "test_rows", "workers"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.train_rows < args.batch_size:
+        parser.error(f"--train-rows {args.train_rows} is smaller than one batch (--batch-size {args.batch_size})")
     return args
 
 

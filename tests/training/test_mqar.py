@@ -119,8 +119,8 @@ def _recipe():
 
 def test_recipe_attention_learns_recall(tmp_path):
     recipe = _recipe()
-    argv = ["--out", str(tmp_path), "--mixers", "attention", "--widths", "64", "--cells", "64:4", "--lrs", "3e-3",
-            "--steps", "300", "--train-rows", "4096", "--test-rows", "256"]
+    argv = ["--out", str(tmp_path), "--mixers", "attention", "--widths", "64", "--cells", "64:4", "--lrs", "1e-2",
+            "--steps", "1500", "--test-rows", "512"]
     rows = recipe.main(argv)
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved == rows and len(rows) == 1
