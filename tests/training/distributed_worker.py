@@ -49,7 +49,11 @@ def main(argv=None):
     # constant learning rate: a run stopped at step k and resumed with more steps follows the same schedule
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=2, lr=1e-2, warmup=0,
                          min_lr_ratio=1.0, log_every=1, eval_every=1000, save_every=args.steps)
-    train(build_model(), tiny_rows(), config, args.out, resume=args.resume, parallel=parallel)
+    model = build_model()
+    train(model, tiny_rows(), config, args.out, resume=args.resume, parallel=parallel)
+    full = parallel.full_model(model)  # FSDP: gathered from the shards on rank 0
+    if parallel.is_main:
+        full.save_pretrained(args.out / "model")
 
 
 if __name__ == "__main__":

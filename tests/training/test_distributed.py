@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridlm import HybridForCausalLM
 from hybridlm.training.distributed import SingleProcess, from_environment
+from hybridlm.training.loop import _param_groups
 
 from ..helpers import assert_close_rel
 from . import distributed_worker
@@ -54,6 +56,13 @@ def test_two_processes_train_like_one(parallel, reference, tmp_path):
     assert_close_rel(losses, reference[:5], rel=1e-4)
     if parallel == "fsdp":  # its checkpoint, sharded over 2 ranks, resumes in this single process
         assert (tmp_path / parallel / "checkpoint" / "dcp" / ".metadata").is_file()
+        gathered = HybridForCausalLM.from_pretrained(tmp_path / parallel / "model")
+        from_shards = distributed_worker.build_model()
+        optimizer = torch.optim.AdamW(_param_groups(from_shards, 0.1))  # as the loop builds it
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        assert SingleProcess().load(tmp_path / parallel, from_shards, optimizer, scheduler)["step"] == 5
+        for (name, expected), got in zip(from_shards.state_dict().items(), gathered.state_dict().values()):
+            assert torch.equal(got, expected), name
         distributed_worker.main(["--out", str(tmp_path / parallel), "--steps", "7", "--resume"])
         resumed = _losses(tmp_path / parallel)
         assert len(resumed) == 7
