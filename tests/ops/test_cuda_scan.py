@@ -84,11 +84,13 @@ def compare(target, inputs, rel, final_state_gradient=True):
                             [dy, dfinal] if dfinal is not None else [dy])
         for out, last, lv in ((y, final, leaves), (y_ref, final_ref, ref_leaves))
     )
+    # one step from a zero state never multiplies the state by exp(delta A): A's gradient is exactly zero then
+    zero_A_gradient = y.shape[-1] == 1 and "initial_state" not in tensors
     for name, got, expected in zip(leaves, grads, ref_grads):
         assert got.dtype == expected.dtype, name
         assert not got.isnan().any(), f"gradient of {name} has NaN"
         try:
-            assert_close_rel(got, expected, rel)
+            assert_close_rel(got, expected, rel, allow_zero_reference=name == "A" and zero_A_gradient)
         except AssertionError as error:
             raise AssertionError(f"gradient of {name}: {error}") from None
 
@@ -124,7 +126,11 @@ def test_a_zero_length_scan_returns_the_initial_state(target):
 
 
 def test_cuda_selective_scan_has_the_reference_signature():
-    assert inspect.signature(cuda.selective_scan) == inspect.signature(selective_scan_ref)
+    # packed input (seq_idx / cu_seqlens) is optional: the dispatcher declines a backend that does not take it
+    reference = inspect.signature(selective_scan_ref)
+    packing = ("seq_idx", "cu_seqlens")
+    unpacked = reference.replace(parameters=[p for n, p in reference.parameters.items() if n not in packing])
+    assert inspect.signature(cuda.selective_scan) == unpacked
 
 
 def test_cuda_selective_scan_checks_its_arguments_before_building():
