@@ -367,7 +367,10 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         cache_policy=None,
         **kwargs,
     ) -> HybridCausalLMOutput:
-        """``use_cache=True`` starts a new cache (returned as ``.cache``); ``cache=...`` continues one."""
+        """``use_cache=True`` starts a new cache (returned as ``.cache``); ``cache=...`` continues one. With
+        ``labels``, ``num_items_in_batch`` (what transformers' ``Trainer`` passes under gradient accumulation)
+        makes the cross-entropy a sum over this batch's targets divided by that count, as transformers' models do."""
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         kwargs = forward_kwargs(type(self).__name__, kwargs)
         out = self.model(input_ids, attention_mask, position_ids, cache, use_cache, inputs_embeds,
                          cache_policy=cache_policy, **kwargs)
@@ -380,7 +383,9 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
-                                   ignore_index=-100)
+                                   ignore_index=-100, reduction="mean" if num_items_in_batch is None else "sum")
+            if num_items_in_batch is not None:
+                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
             if out.aux_loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * out.aux_loss
         return HybridCausalLMOutput(loss=loss, logits=logits, cache=out.cache, aux_loss=out.aux_loss)

@@ -89,3 +89,23 @@ def test_flattening_collator_loss_is_the_per_document_loss(tmp_path):
             count += ids.shape[1] - 1
     assert torch.isclose(packed, total / count, rtol=1e-5), (float(packed), float(total / count))
     _train(_model(), collator, tmp_path)
+
+
+def test_num_items_in_batch_makes_the_loss_a_sum_over_the_step(tmp_path):
+    """Under gradient accumulation transformers' Trainer passes ``num_items_in_batch`` and no longer divides by the
+    accumulation steps: the loss must then be the summed token loss over that count, as in transformers' models."""
+    from ..helpers import random_ids
+
+    model = tiny_model(layer_pattern="SA")
+    ids = random_ids(2, 9)
+    labels = ids.clone()
+    labels[0, :4] = -100
+    logits = model(ids).logits
+    summed = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100,
+                             reduction="sum")
+    targets = int((labels[:, 1:] != -100).sum())
+    mean = model(ids, labels=labels).loss
+    assert torch.allclose(mean, summed / targets, rtol=1e-6)
+    for count in (targets, 3 * targets):  # this micro-batch's share of a larger accumulated step
+        got = model(ids, labels=labels, num_items_in_batch=torch.tensor(count)).loss
+        assert torch.allclose(got, summed / count, rtol=1e-6)
