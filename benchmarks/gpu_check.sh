@@ -12,6 +12,9 @@
 # 2 if there is no CUDA device.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the project itself, installed or not
+PYTHON="${PYTHON:-python3}"
+python() { "$PYTHON" "$@"; }
 out="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$out"
 unset TRITON_INTERPRET  # the Triton kernels must compile for the GPU, not run in the interpreter
