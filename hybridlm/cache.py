@@ -146,8 +146,25 @@ class KVLayout(LayerState):
 Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class DenseKV(KVLayout):
+    """A layout holding full-precision ``keys``/``values`` ``[batch, kv_heads, slots, head_dim]``: the shape
+    and dtype properties the contiguous, ring, sink and heavy-hitter layouts share."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+
 @dataclasses.dataclass
-class KVState(KVLayout):
+class KVState(DenseKV):
     """The contiguous layout (full attention, no policy): every key and value kept in full precision.
 
     ``keys``/``values`` are ``[batch, kv_heads, capacity, head_dim]`` buffers of which the first ``length``
@@ -168,18 +185,6 @@ class KVState(KVLayout):
             values=torch.zeros(shape, device=device, dtype=dtype),
             padding=torch.zeros(batch_size, dtype=torch.long, device=device),
         )
-
-    @property
-    def kv_heads(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def head_dim(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys.dtype
 
     @property
     def seen(self) -> int:

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from ..cache import KVLayout, KVView, LayerState, _tensor_nbytes
+from ..cache import DenseKV, KVView, LayerState, _tensor_nbytes
 
 
 def _zeros(batch, heads, slots, dim, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -29,20 +29,8 @@ def _zeros(batch, heads, slots, dim, device, dtype) -> tuple[torch.Tensor, torch
             torch.zeros(batch, dtype=torch.long, device=device))
 
 
-class _FixedKV(KVLayout):
-    """Shared properties of the layouts below (each has ``keys [batch, heads, slots, head_dim]``)."""
-
-    @property
-    def kv_heads(self) -> int:
-        return self.keys.shape[1]
-
-    @property
-    def head_dim(self) -> int:
-        return self.keys.shape[3]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.keys.dtype
+class _FixedKV(DenseKV):
+    """A dense layout with a fixed number of slots (the layouts below)."""
 
     def _held_nbytes(self, slots: int) -> int:
         batch, heads, _, dim = self.keys.shape

@@ -127,13 +127,13 @@ def run(args) -> dict:
     """Validate, prepare the data, train, save the model with its tokenizer; returns the last metrics."""
     import torch
 
-    from .distributed import SingleProcess
+    from .distributed import SingleProcess, from_environment
     from .evaluation import HeldOut
     from .loop import train
     from .packing import pack_documents, tokenize_documents
 
     config = _train_config(args)
-    parallel = SingleProcess() if args.parallel == "none" else _distributed(args.parallel)
+    parallel = SingleProcess() if args.parallel == "none" else from_environment(args.parallel)
     out: Path = args.out
     if not args.resume and (out / "checkpoint").exists():
         raise FileExistsError(f"--out {out} already holds a checkpoint: pass --resume to continue it, or another --out")
@@ -182,12 +182,6 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     out = IncrementalDecoder(model).generate([ids], max_new_tokens=max_new_tokens)[0, len(ids):]
     return prompt + tokenizer.decode(out.tolist())
-
-
-def _distributed(kind: str):
-    from .distributed import from_environment
-
-    return from_environment(kind)
 
 
 def main(argv: list[str] | None = None) -> dict:
