@@ -25,6 +25,7 @@ from . import (  # noqa: F401
     mamba_ssm,
     nemotron_h,
     qwen3_5,
+    qwen3_5_moe,
     qwen3_next,
     zamba2,
 )
