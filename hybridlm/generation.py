@@ -44,11 +44,20 @@ class SamplingSettings:
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} must be None or in (0, 1]")
 
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0
+
 
 def choose_next(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None) -> torch.Tensor:
     """Next token per row from ``logits [batch, vocab]``."""
-    if not settings.do_sample or settings.temperature == 0:
+    if settings.greedy:
         return logits.argmax(-1)
+    return torch.multinomial(sampling_probs(logits, settings), 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """The distribution sampling draws from: ``logits [..., vocab]`` after temperature, top-k and top-p (fp32)."""
     logits = logits.float() / settings.temperature
     if settings.top_k is not None:
         kth = logits.topk(min(settings.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -59,7 +68,7 @@ def choose_next(logits: torch.Tensor, settings: SamplingSettings, generator: tor
         # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
         drop = probs.cumsum(-1) - probs >= settings.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -torch.inf))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    return logits.softmax(-1)
 
 
 def left_pad(prompts: Sequence[Sequence[int]] | torch.Tensor, pad_token_id: int = 0):
