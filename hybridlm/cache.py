@@ -26,6 +26,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import rollback
+
 
 def _tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
@@ -72,6 +74,26 @@ class LayerState:
     def _growing(self) -> tuple[str, ...]:
         return ()
 
+    @property
+    def fixed_step(self) -> bool:
+        """Whether a one-token update keeps every shape and reads no Python counter (what a compiled decode step
+        needs; see :mod:`hybridlm.kv.static`)."""
+        return True
+
+    def advance(self, tokens: int) -> None:
+        """Called by :meth:`HybridCache.advance` after each forward, outside any compiled step: Python counters
+        that the update itself must not touch move here."""
+
+    # --- rollback (hybridlm.rollback) -----------------------------------------------------------
+
+    def rewind_blocker(self, tokens: int) -> str | None:
+        """Why this state cannot undo its last ``tokens`` token slots (None: it can)."""
+        return "a recurrent state keeps no checkpoints yet"
+
+    def rewind(self, tokens: int) -> None:
+        """Undo the last ``tokens`` token slots in place (only after :meth:`rewind_blocker` returned None)."""
+        raise NotImplementedError
+
 
 @dataclasses.dataclass
 class KVView:
@@ -116,6 +138,13 @@ class KVLayout(LayerState):
 
     def observe(self, probs: torch.Tensor) -> None:
         """The attention probabilities ``[batch, q_heads, time, n]`` over the last view's keys."""
+
+    def rewind_blocker(self, tokens: int) -> str | None:
+        return f"the {type(self).__name__} layout cannot roll back"
+
+    @property
+    def fixed_step(self) -> bool:
+        return False
 
     def predicted_nbytes(self, tokens: int) -> int:
         """``nbytes()`` once ``tokens`` token slots have been seen (the formula the tests check)."""
@@ -223,6 +252,16 @@ class KVState(DenseKV):
         self.length += new
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    def rewind_blocker(self, tokens: int) -> str | None:
+        return None if tokens <= self.length else f"it holds only {self.length} slots"
+
+    def rewind(self, tokens: int) -> None:
+        """Forget the last ``tokens`` slots (the next :meth:`append` overwrites them); a row whose padding reached
+        into them keeps only the padding that is left."""
+        self.length -= tokens
+        if self.has_padding:
+            self.padding = self.padding.clamp(max=self.length)
+
     def _with_capacity(self, buffer: torch.Tensor, capacity: int) -> torch.Tensor:
         grown = buffer.new_zeros(*buffer.shape[:2], capacity, buffer.shape[3])
         grown[:, :, : self.length] = buffer[:, :, : self.length]
@@ -260,6 +299,10 @@ class CompressedKVState(LayerState):
     tokens: torch.Tensor
     seen: int = 0
 
+    @property
+    def fixed_step(self) -> bool:
+        return False
+
 
 @dataclasses.dataclass
 class StateGroup(LayerState):
@@ -285,6 +328,23 @@ class StateGroup(LayerState):
     def describe(self) -> tuple:
         return tuple((name, part.describe()) for name, part in self.parts.items())
 
+    @property
+    def fixed_step(self) -> bool:
+        return all(part.fixed_step for part in self.parts.values())
+
+    def advance(self, tokens: int) -> None:
+        for part in self.parts.values():
+            part.advance(tokens)
+
+    def rewind_blocker(self, tokens: int) -> str | None:
+        reasons = [f"{name}: {reason}" for name, part in self.parts.items()
+                   if (reason := part.rewind_blocker(tokens)) is not None]
+        return "; ".join(reasons) or None
+
+    def rewind(self, tokens: int) -> None:
+        for part in self.parts.values():
+            part.rewind(tokens)
+
 
 class HybridCache:
     """One state per layer, plus per-row token counts: what ``generate()`` carries between steps.
@@ -303,6 +363,7 @@ class HybridCache:
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.seen = 0
         self.policy = None  # the CachePolicy the states were made under (None: the default layouts)
+        self.capacity: int | None = None  # static caches (hybridlm.kv.static): the slots preallocated
 
     # --- sizes ----------------------------------------------------------------------------------
 
@@ -363,7 +424,7 @@ class HybridCache:
     def _shell(self, states: list[LayerState]) -> HybridCache:
         new = HybridCache.__new__(HybridCache)
         new.states, new.layer_types, new.signature, new.seen = states, self.layer_types, self.signature, self.seen
-        new.policy, new.linear = self.policy, self.linear
+        new.policy, new.linear, new.capacity = self.policy, self.linear, self.capacity
         return new
 
     # --- bookkeeping after a forward ------------------------------------------------------------
@@ -372,6 +433,14 @@ class HybridCache:
         """Count ``new_tokens`` slots, of which ``mask`` marks the real ones (all when None)."""
         self.seen += new_tokens
         self.positions += new_tokens if mask is None else mask.sum(-1)
+        for state in self.states:
+            state.advance(new_tokens)
+
+    def check_room(self, new_tokens: int) -> None:
+        """A static cache cannot grow: ValueError before a forward that would overflow it (no device sync)."""
+        if self.capacity is not None and self.seen + new_tokens > self.capacity:
+            raise ValueError(f"static cache: {self.seen} slots held + {new_tokens} new exceed its "
+                             f"max_length={self.capacity}")
 
     # --- what transformers' generate() asks of a cache (keep these in one place) ----------------
 
@@ -384,6 +453,12 @@ class HybridCache:
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
+
+    def crop(self, length: int) -> None:
+        """Roll back to ``length`` token slots in place (``length <= 0``: remove ``-length``, transformers' v5
+        convention, so ``crop(0)`` changes nothing); see :mod:`hybridlm.rollback`. ValueError, leaving the cache
+        unchanged, past the start, beyond the slots seen, or where a state kept nothing to roll back to."""
+        rollback.crop(self, length)
 
     def __repr__(self) -> str:
         kinds = ", ".join(f"{k}: {v:,} B" for k, v in self.nbytes_by_kind().items())

@@ -1,0 +1,118 @@
+"""HybridCache.crop: rolling back to any token of a block equals a forward that stopped there."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridlm.cache import KVState, LayerState, StateGroup
+from tests.helpers import assert_close_rel, random_ids, tiny_model
+
+
+def contents(state: LayerState) -> dict[str, torch.Tensor]:
+    """What a state holds for the tokens it has seen (a contiguous KV state's filled slots only)."""
+    if isinstance(state, StateGroup):
+        return {f"{name}.{key}": t for name, part in state.parts.items() for key, t in contents(part).items()}
+    tensors = state._tensors()
+    if isinstance(state, KVState):
+        tensors = {**tensors, "keys": state.keys[:, :, : state.length], "values": state.values[:, :, : state.length]}
+    return tensors
+
+
+def assert_same_cache(got, expected, rel=1e-5):
+    assert got.seen == expected.seen
+    assert torch.equal(got.positions, expected.positions)
+    for index, (a, b) in enumerate(zip(got.states, expected.states)):
+        ca, cb = contents(a), contents(b)
+        assert ca.keys() == cb.keys(), index
+        for name in cb:
+            if cb[name].is_floating_point():
+                finite = cb[name].isfinite()
+                assert torch.equal(finite, ca[name].isfinite()), (index, name)
+                assert_close_rel(ca[name][finite], cb[name][finite], rel, allow_zero_reference=True)
+            else:
+                assert torch.equal(ca[name], cb[name]), (index, name)
+
+
+def nonzero(cache) -> bool:
+    """Every state that has a float tensor holds something non-zero (so a comparison proves something)."""
+    return all(any(t.is_floating_point() and bool(t.nan_to_num(neginf=0.0).ne(0).any()) for t in contents(s).values())
+               for s in cache.states if contents(s))
+
+
+def run(model, ids, cache, mask=None):
+    with torch.no_grad():
+        return model(ids, cache=cache, attention_mask=mask).logits
+
+
+def check_rollback(model, prompt, block, after, mask=None, rel=1e-5):
+    """``prompt`` then ``block`` into one cache, cropped back to each token of the block, against a cache that
+    saw only ``prompt`` and the block up to there; then both continue with ``after``."""
+    batch, warm, k = prompt.shape[0], prompt.shape[1], block.shape[1]
+    full_mask = None if mask is None else torch.cat([mask, mask.new_ones(batch, k + after.shape[1])], 1)
+    for j in range(k + 1):
+        reference = model.new_cache(batch)
+        run(model, prompt, reference, mask)
+        if j:
+            run(model, block[:, :j], reference, None if mask is None else full_mask[:, : warm + j])
+        assert nonzero(reference)
+        cache = model.new_cache(batch)
+        run(model, prompt, cache, mask)
+        run(model, block, cache, None if mask is None else full_mask[:, : warm + k])
+        cache.crop(warm + j)
+        assert_same_cache(cache, reference, rel)
+        cont_mask = None if mask is None else full_mask[:, : warm + j + after.shape[1]]
+        assert_close_rel(run(model, after, cache, cont_mask), run(model, after, reference, cont_mask), rel)
+
+
+@settings(max_examples=4, deadline=None)
+@given(layers=st.integers(1, 3), warm=st.integers(1, 9), k=st.integers(1, 8), seed=st.integers(0, 99))
+def test_attention_crop_equals_a_forward_that_stopped_there(layers, warm, k, seed):
+    model = tiny_model(seed, layer_pattern="A" * layers)
+    prompt, block, after = (random_ids(2, n, seed=seed + i) for i, n in enumerate((warm, k, 2)))
+    check_rollback(model, prompt, block, after)
+
+
+def test_attention_crop_with_left_padding_and_into_the_padding():
+    model = tiny_model(layer_pattern="AA")
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    check_rollback(model, random_ids(2, 5), random_ids(2, 4, seed=1), random_ids(2, 2, seed=2), mask)
+    cache = model.new_cache(2)
+    run(model, random_ids(2, 5), cache, mask)
+    cache.crop(1)  # row 0 keeps one padding slot and no real token
+    assert cache.positions.tolist() == [0, 1]
+    assert cache.states[0].padding.tolist() == [1, 0]
+
+
+def test_crop_conventions():
+    model = tiny_model(layer_pattern="A")
+    cache = model.new_cache(1)
+    run(model, random_ids(1, 6), cache)
+    cache.crop(0)  # transformers' "remove nothing"
+    assert cache.get_seq_length() == 6
+    cache.crop(-2)  # remove two
+    assert cache.get_seq_length() == 4
+    cache.crop(3)  # keep three
+    assert cache.get_seq_length() == 3 and cache.states[0].length == 3
+
+
+@pytest.mark.parametrize("length, message", [(7, "beyond the 6 token slots seen"), (-7, "past the start"),
+                                             (2.0, "must be an int")])
+def test_bad_crop_is_a_clear_error_and_changes_nothing(length, message):
+    model = tiny_model(layer_pattern="A")
+    cache = model.new_cache(1)
+    run(model, random_ids(1, 6), cache)
+    with pytest.raises((ValueError, TypeError), match=message):
+        cache.crop(length)
+    assert cache.get_seq_length() == 6 and cache.states[0].length == 6
+
+
+def test_recurrent_crop_without_a_checkpoint_is_a_clear_error():
+    model = tiny_model(layer_pattern="AM")
+    cache = model.new_cache(1)
+    run(model, random_ids(1, 6), cache)
+    run(model, random_ids(1, 1), cache)  # one-token forwards keep no checkpoints unless asked
+    before = cache.snapshot()
+    with pytest.raises(ValueError, match=r"state 1 \(mamba\) cannot remove the last 2 token slots"):
+        cache.crop(-2)
+    assert_same_cache(cache, before, rel=0)
