@@ -20,6 +20,8 @@ _PUBLIC = {
     "HybridConfig": "config",
     "HybridForCausalLM": "model",
     "HybridModel": "model",
+    "PrefixCache": "prefix_cache",
+    "SpeculativeDecoding": "speculative",
     "load": "formats",
     "bundled_model_dir": "bundled",
 }

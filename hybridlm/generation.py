@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import HybridCache
+from .prefix_cache import bind_prefix_cache
 
 
 @dataclass
@@ -91,13 +92,20 @@ def left_pad(prompts: Sequence[Sequence[int]] | torch.Tensor, pad_token_id: int 
 class IncrementalDecoder:
     """Generates from a :class:`~hybridlm.HybridForCausalLM` with chunked prefill and cached decode."""
 
-    def __init__(self, model, prefill_chunk_size: int = 512, cache_policy=None):
-        """``cache_policy``: a :class:`~hybridlm.CachePolicy` for the caches this decoder makes."""
+    def __init__(self, model, prefill_chunk_size: int = 512, cache_policy=None, prefix_cache=None, speculative=None):
+        """``cache_policy``: a :class:`~hybridlm.CachePolicy` for the caches this decoder makes; ``prefix_cache``: a
+        :class:`~hybridlm.PrefixCache` that prompts are restored from and snapshotted into; ``speculative``: a
+        :class:`~hybridlm.SpeculativeDecoding` (draft model or prompt lookup, :mod:`hybridlm.speculative`)."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be >= 1")
         self.model = model
         self.prefill_chunk_size = prefill_chunk_size
         self.cache_policy = cache_policy
+        self.prefix_cache = bind_prefix_cache(prefix_cache, model, cache_policy)
+        if speculative is not None:
+            speculative.check_target(model)
+        self.speculative = speculative
+        self.stats: dict = {}  # counters of the last call (prefix_hit_tokens, prefill_tokens, decode_tokens, ...)
 
     @property
     def device(self) -> torch.device:
@@ -113,6 +121,9 @@ class IncrementalDecoder:
         mask = mask.to(self.device) if mask is not None else None
         if cache is None:
             cache = self.model.new_cache(ids.shape[0], max_length=ids.shape[1] + reserve, policy=self.cache_policy)
+            if self.prefix_cache is not None:
+                return self.prefix_cache.prefill(self, ids, mask, cache)
+        self.stats.update(prefix_hit_tokens=0, prefill_tokens=ids.shape[1])
         logits = None
         for start in range(0, ids.shape[1], self.prefill_chunk_size):
             stop = start + self.prefill_chunk_size
@@ -128,6 +139,12 @@ class IncrementalDecoder:
 
         ``prompts``: a ``[batch, time]`` tensor (no padding) or a list of token-id lists of any lengths."""
         settings = SamplingSettings(**settings)
+        self.stats = {"prefix_hit_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
+        if self.speculative is not None:
+            from .speculative import speculative_stream
+
+            yield from speculative_stream(self, prompts, settings)
+            return
         ids, mask = left_pad(prompts, settings.pad_token_id)
         self._check_length(ids.shape[1] + settings.max_new_tokens)
         generator = None
@@ -140,6 +157,7 @@ class IncrementalDecoder:
             chosen = choose_next(logits, settings, generator)
             step = torch.full((ids.shape[0],), settings.pad_token_id, dtype=torch.long, device=self.device)
             step[active] = chosen
+            self.stats["decode_tokens"] += 1
             yield step
             running = ~torch.isin(chosen, stops)
             if not bool(running.all()):

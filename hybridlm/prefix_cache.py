@@ -1,0 +1,402 @@
+"""Prefix caching for hybrids: the whole hybrid state at every block boundary of a prompt, reused by the next
+request that starts with the same blocks.
+
+An SSM state cannot be cut back to an earlier token the way a KV cache can, so a prefix cache that keeps one
+state per prompt misses every request that shares only part of it. Here chunked prefill stops at every multiple
+of ``block_size`` and snapshots the whole :class:`~hybridlm.HybridCache` (every layer: KV, SSM, conv windows,
+running sums) there; a snapshot is keyed by a hash chain over the token blocks (``key_i = sha256(key_{i-1},
+block_i)``), so a request restores the longest block-aligned prefix it shares with any earlier prompt and
+prefills only the rest. Chunks are cut at absolute positions (every block boundary, then every
+``prefill_chunk_size`` tokens inside a block), so a continuation after a hit runs exactly the forwards a cold
+prefill runs and gives identical logits.
+
+>>> cache = PrefixCache(block_size=256, max_bytes=2**30)
+>>> decoder = IncrementalDecoder(model, prefix_cache=cache)
+>>> decoder.generate([system + question], max_new_tokens=32); decoder.stats["prefix_hit_tokens"]
+
+Limits: the last prompt token is always prefilled (its logits start decoding), so a hit covers at most
+``(length - 1) // block_size`` blocks; rows of a batch share one hit length (the longest prefix every row has
+cached) and padded batches (prompts of different lengths) are refused; a cache serves one model (layer kinds,
+state shapes and a fingerprint of the weights) under one cache policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterator
+
+import torch
+
+from .cache import HybridCache, KVLayout, KVState, LayerState, StateGroup
+
+_METADATA_KEY = "hybridlm_prefix_cache"
+_SAMPLED_VALUES = 1024  # per weight tensor, in the model fingerprint
+
+
+@dataclasses.dataclass
+class _Entry:
+    snapshot: HybridCache  # one batch row, every layer, after ``blocks`` blocks
+    blocks: int
+    nbytes: int
+
+
+class PrefixCache:
+    """Snapshots of the whole hybrid state at block boundaries, keyed by a hash chain over the token blocks,
+    evicted least recently used first once their bytes pass ``max_bytes``.
+
+    ``block_size``: tokens per block (a snapshot is taken after each); ``max_bytes``: the budget, counted as the
+    bytes every stored snapshot holds (its tensors as allocated; the contiguous KV layout is stored trimmed to
+    its tokens). A budget below one block's snapshot is an error (raised when the cache meets its model)."""
+
+    def __init__(self, block_size: int = 256, max_bytes: int = 2**30):
+        for name, value in (("block_size", block_size), ("max_bytes", max_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"PrefixCache: {name}={value!r} must be an integer >= 1")
+        self.block_size = block_size
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._identity: dict | None = None  # signature, weights fingerprint and policy of the model it serves
+        self._model: weakref.ref | None = None
+
+    # --- sizes ----------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by all stored snapshots (never above ``max_bytes``)."""
+        return sum(entry.nbytes for entry in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return (f"PrefixCache(block_size={self.block_size}, {len(self)} snapshots, "
+                f"{self.nbytes:,} of {self.max_bytes:,} bytes)")
+
+    # --- the model it serves --------------------------------------------------------------------
+
+    def bind(self, model, cache_policy=None) -> None:
+        """Check that this cache can serve ``model`` under ``cache_policy`` (the first call fixes both): the same
+        layer kinds and state shapes (``HybridCache.signature``), the same weights (a fingerprint) and policy, a
+        state that can be snapshotted, and a budget that holds one block's snapshot."""
+        if self._model is not None and self._model() is model and self._identity["policy"] == _policy_json(
+                cache_policy):
+            return
+        probe = model.new_cache(1, policy=cache_policy)
+        for state in probe.states:
+            _check_snapshottable(state)
+        identity = {"signature": repr(probe.signature), "fingerprint": weights_fingerprint(model),
+                    "policy": _policy_json(cache_policy)}
+        if self._identity is not None:
+            _check_same_model(self._identity, identity)
+        one_block = _predicted_nbytes(probe, self.block_size)
+        if one_block > self.max_bytes:
+            raise ValueError(self._budget_message(one_block))
+        self._identity, self._model = identity, weakref.ref(model)
+
+    def _budget_message(self, one_block: int) -> str:
+        return (f"PrefixCache: max_bytes={self.max_bytes:,} is below one block's snapshot ({one_block:,} bytes for "
+                f"block_size={self.block_size} on this model); raise max_bytes or lower block_size")
+
+    # --- keys -----------------------------------------------------------------------------------
+
+    def block_keys(self, tokens: torch.Tensor) -> list[str]:
+        """The hash-chain key of every full block of ``tokens [length]`` (one prompt row)."""
+        keys, parent = [], b""
+        data = tokens.detach().to("cpu", torch.int64).contiguous()
+        for start in range(0, data.shape[0] - self.block_size + 1, self.block_size):
+            block = data[start:start + self.block_size].numpy().tobytes()
+            parent = hashlib.sha256(parent + block).digest()
+            keys.append(parent.hex())
+        return keys
+
+    def cached_tokens(self, tokens) -> int:
+        """How many leading tokens of one prompt (``tokens [length]``) have a snapshot (a multiple of
+        ``block_size``; the recency order is left as it was)."""
+        keys = self.block_keys(torch.as_tensor(tokens))
+        return self.block_size * self._common_hit([keys], len(keys))
+
+    def _common_hit(self, keys: list[list[str]], most: int) -> int:
+        """The most blocks (at most ``most``) that every row has a snapshot of."""
+        for blocks in range(most, 0, -1):
+            if all(row[blocks - 1] in self._entries for row in keys):
+                return blocks
+        return 0
+
+    # --- the decoder's prefill ------------------------------------------------------------------
+
+    def prefill(self, decoder, ids: torch.Tensor, mask: torch.Tensor | None, cache: HybridCache):
+        """Prefill ``ids [batch, length]`` into the empty ``cache`` from the longest cached prefix, snapshotting
+        every new block boundary; returns ``(cache, logits [batch, vocab])`` of the last position and sets
+        ``decoder.stats["prefix_hit_tokens"]`` and ``["prefill_tokens"]`` (per row)."""
+        self.bind(decoder.model, decoder.cache_policy)
+        if mask is not None and not bool(mask.all()):
+            raise ValueError("prefix_cache: prompts of different lengths (left-padded rows) are not supported; "
+                             "pass prompts of one length, or one prompt per call")
+        if cache.seen:
+            raise ValueError("prefix_cache: prefill starts from an empty cache (use a decoder without prefix_cache "
+                             "to continue a cache)")
+        length = ids.shape[1]
+        keys = [self.block_keys(row) for row in ids]
+        hit = self._common_hit(keys, (length - 1) // self.block_size)
+        if hit:
+            self._restore(cache, [row[hit - 1] for row in keys])
+        logits = None
+        for start, stop in _chunks(hit * self.block_size, length, self.block_size, decoder.prefill_chunk_size):
+            logits = decoder.model(ids[:, start:stop], cache=cache, logits_to_keep=1).logits
+            if stop % self.block_size == 0:
+                self._store(cache, [row[stop // self.block_size - 1] for row in keys], stop // self.block_size)
+        decoder.stats["prefix_hit_tokens"] = hit * self.block_size
+        decoder.stats["prefill_tokens"] = length - hit * self.block_size
+        return cache, logits[:, -1]
+
+    def _restore(self, cache: HybridCache, keys: list[str]) -> None:
+        """Load the snapshots of ``keys`` (one per row) into ``cache``, keeping its preallocated KV room."""
+        for key in keys:
+            self._entries.move_to_end(key)
+        rows = [self._entries[key].snapshot for key in keys]
+        snapshot = rows[0] if len(rows) == 1 else _concat_rows(rows)
+        fresh = cache.states
+        cache.restore(snapshot)  # a copy: the stored snapshot stays as it was
+        cache.states = [_with_room(state, empty) for state, empty in zip(cache.states, fresh)]
+
+    def _store(self, cache: HybridCache, keys: list[str], blocks: int) -> None:
+        """Snapshot each row of ``cache`` (``blocks`` blocks seen) under its key, unless already stored."""
+        missing = [row for row, key in enumerate(keys) if key not in self._entries]
+        for row, key in enumerate(keys):
+            if row not in missing:
+                self._entries.move_to_end(key)
+        if not missing:
+            return
+        compact = _compact(cache)
+        for row in missing:
+            snapshot = compact if cache.batch_size == 1 else compact.select(torch.tensor([row]))
+            nbytes = snapshot.reserved_nbytes()
+            if nbytes > self.max_bytes:
+                if blocks == 1:
+                    raise ValueError(self._budget_message(nbytes))
+                continue  # a longer prefix than the budget holds: not kept
+            self._entries[keys[row]] = _Entry(snapshot, blocks, nbytes)
+            self._evict()
+
+    def _evict(self) -> None:
+        while self.nbytes > self.max_bytes:
+            self._entries.popitem(last=False)
+
+    # --- disk -----------------------------------------------------------------------------------
+
+    def save(self, path) -> None:
+        """Write every snapshot to a safetensors file; the keys, sizes, model identity and per-state metadata go
+        into its metadata as JSON (nothing is pickled)."""
+        if self._identity is None:
+            raise ValueError("PrefixCache.save: the cache has not served a model yet (nothing to save)")
+        from safetensors.torch import save_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        entries = []
+        for index, (key, entry) in enumerate(self._entries.items()):
+            states = [_state_meta(state, f"{index}.{layer}", tensors) for layer, state in
+                      enumerate(entry.snapshot.states)]
+            tensors[f"{index}.positions"] = entry.snapshot.positions.cpu()
+            entries.append({"key": key, "blocks": entry.blocks, "seen": entry.snapshot.seen, "states": states})
+        header = {"block_size": self.block_size, "max_bytes": self.max_bytes, **self._identity, "entries": entries}
+        save_file(tensors, str(path), metadata={_METADATA_KEY: json.dumps(header)})
+
+    @classmethod
+    def load(cls, path, model, max_bytes: int | None = None) -> PrefixCache:
+        """A cache saved by :meth:`save`, for ``model`` (it must be the model the snapshots were taken from:
+        same layer kinds, state shapes and weights); ``max_bytes`` replaces the saved budget."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), framework="pt") as file:
+            metadata = file.metadata() or {}
+        if _METADATA_KEY not in metadata:
+            raise ValueError(f"PrefixCache.load: {path} is not a hybridlm prefix cache (no {_METADATA_KEY!r} metadata)")
+        header = json.loads(metadata[_METADATA_KEY])
+        cache = cls(header["block_size"], header["max_bytes"] if max_bytes is None else max_bytes)
+        cache._identity = {name: header[name] for name in ("signature", "fingerprint", "policy")}
+        policy = _policy_from_json(header["policy"])
+        cache.bind(model, policy)
+        template = model.new_cache(1, policy=policy)
+        tensors = load_file(str(path), device=str(template.positions.device))
+        for index, item in enumerate(header["entries"]):
+            snapshot = copy.copy(template)
+            snapshot.states = [_state_from_meta(empty, meta, f"{index}.{layer}", tensors) for layer, (empty, meta) in
+                               enumerate(zip(template.states, item["states"], strict=True))]
+            snapshot.positions, snapshot.seen = tensors[f"{index}.positions"], item["seen"]
+            cache._entries[item["key"]] = _Entry(snapshot, item["blocks"], snapshot.reserved_nbytes())
+        cache._evict()
+        return cache
+
+
+def bind_prefix_cache(prefix_cache, model, cache_policy) -> PrefixCache | None:
+    """What ``IncrementalDecoder(prefix_cache=...)`` keeps: None, or a :class:`PrefixCache` checked against
+    ``model`` and ``cache_policy``."""
+    if prefix_cache is None:
+        return None
+    if not isinstance(prefix_cache, PrefixCache):
+        raise TypeError(f"prefix_cache must be a hybridlm.PrefixCache, got {type(prefix_cache).__name__}")
+    prefix_cache.bind(model, cache_policy)
+    return prefix_cache
+
+
+def weights_fingerprint(model) -> str:
+    """sha256 over every weight's name, shape, dtype and up to 1,024 evenly spaced values: tells two models of
+    one shape apart without reading all of a large model's weights."""
+    digest = hashlib.sha256()
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // _SAMPLED_VALUES)][:_SAMPLED_VALUES].to("cpu").contiguous()
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(sample.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _chunks(start: int, stop: int, block: int, chunk: int) -> Iterator[tuple[int, int]]:
+    """Spans covering ``[start, stop)``, cut at every multiple of ``block`` and every ``chunk`` tokens inside a
+    block: the cuts depend on absolute positions only, so prefill from any block boundary repeats the cold run."""
+    while start < stop:
+        block_start = start - start % block
+        next_cut = block_start + ((start - block_start) // chunk + 1) * chunk
+        end = min(stop, block_start + block, next_cut)
+        yield start, end
+        start = end
+
+
+def _check_same_model(stored: dict, current: dict) -> None:
+    if stored["signature"] != current["signature"]:
+        raise ValueError("PrefixCache: its snapshots come from another model (the layer kinds or state shapes of "
+                         "HybridCache.signature differ from this model's)")
+    if stored["fingerprint"] != current["fingerprint"]:
+        raise ValueError("PrefixCache: its snapshots come from another model (same shapes, different weights)")
+    if stored["policy"] != current["policy"]:
+        raise ValueError(f"PrefixCache: its snapshots were taken under cache_policy={stored['policy']}, this "
+                         f"decoder uses cache_policy={current['policy']}")
+
+
+def _policy_json(policy) -> dict | None:
+    """A cache policy (None, a CachePolicy, or ``{state index: CachePolicy}``) as JSON-able data."""
+    if policy is None:
+        return None
+    if isinstance(policy, dict):
+        return {"per_state": {str(index): dataclasses.asdict(p) for index, p in sorted(policy.items())}}
+    return {"all": dataclasses.asdict(policy)}
+
+
+def _policy_from_json(data: dict | None):
+    from .kv.policy import CachePolicy
+
+    if data is None:
+        return None
+    if "all" in data:
+        return CachePolicy(**data["all"])
+    return {int(index): CachePolicy(**fields) for index, fields in data["per_state"].items()}
+
+
+def _parts(state: LayerState) -> list[LayerState]:
+    return list(state.parts.values()) if isinstance(state, StateGroup) else [state]
+
+
+def _check_snapshottable(state: LayerState) -> None:
+    """A snapshot clones tensor fields and copies the rest: refuse a state with anything else in a field (a
+    shared page pool, say), which a snapshot would alias."""
+    for part in _parts(state):
+        if not dataclasses.is_dataclass(part):
+            raise ValueError(f"prefix_cache: the state type {type(part).__name__} cannot be snapshotted")
+        for field in dataclasses.fields(part):
+            value = getattr(part, field.name)
+            if not isinstance(value, (torch.Tensor, bool, int, float, str, type(None))):
+                raise ValueError(f"prefix_cache: the state type {type(part).__name__} cannot be snapshotted (its "
+                                 f"field {field.name!r} holds a {type(value).__name__}, not a tensor)")
+
+
+def _predicted_nbytes(probe: HybridCache, tokens: int) -> int:
+    """Bytes of a one-row snapshot after ``tokens`` tokens (KV layouts by their formula; a layout without one
+    counts as empty, so this is a lower bound then)."""
+    total = probe.positions.numel() * probe.positions.element_size()
+    for state in probe.states:
+        for part in _parts(state):
+            try:
+                total += part.predicted_nbytes(tokens) if isinstance(part, KVLayout) else part.nbytes()
+            except NotImplementedError:
+                total += part.nbytes()
+    return total
+
+
+def _compact(cache: HybridCache) -> HybridCache:
+    """An independent copy of ``cache`` whose contiguous KV buffers hold only the tokens seen (no spare room)."""
+    compact = copy.copy(cache)
+    compact.states = [_trimmed_copy(state) for state in cache.states]
+    compact.positions = cache.positions.clone()
+    return compact
+
+
+def _trimmed_copy(state: LayerState) -> LayerState:
+    if isinstance(state, StateGroup):
+        return StateGroup({name: _trimmed_copy(part) for name, part in state.parts.items()})
+    if type(state) is KVState:
+        return dataclasses.replace(state, keys=state.keys[:, :, :state.length].clone(),
+                                   values=state.values[:, :, :state.length].clone(), padding=state.padding.clone())
+    return state.clone()
+
+
+def _with_room(state: LayerState, empty: LayerState) -> LayerState:
+    """``state`` (restored, trimmed) copied into the preallocated buffers of ``empty`` where it has more room."""
+    if isinstance(state, StateGroup):
+        return StateGroup({name: _with_room(part, empty.parts[name]) for name, part in state.parts.items()})
+    if type(state) is KVState and type(empty) is KVState and empty.keys.shape[2] > state.length:
+        keys, values = empty.keys, empty.values
+        keys[:, :, :state.length], values[:, :, :state.length] = state.keys[:, :, :state.length], \
+            state.values[:, :, :state.length]
+        return dataclasses.replace(state, keys=keys, values=values)
+    return state
+
+
+def _concat_rows(rows: list[HybridCache]) -> HybridCache:
+    """One cache of the rows of one-row snapshots ``rows`` (all after the same number of tokens)."""
+    combined = copy.copy(rows[0])
+    combined.states = [_concat_states([row.states[i] for row in rows]) for i in range(len(rows[0].states))]
+    combined.positions = torch.cat([row.positions for row in rows])
+    return combined
+
+
+def _concat_states(states: list[LayerState]) -> LayerState:
+    first = states[0]
+    if isinstance(first, StateGroup):
+        return StateGroup({name: _concat_states([s.parts[name] for s in states]) for name in first.parts})
+    tensors = {field.name: torch.cat([getattr(s, field.name) for s in states]) for field in dataclasses.fields(first)
+               if isinstance(getattr(first, field.name), torch.Tensor)}
+    return dataclasses.replace(first, **tensors)
+
+
+def _state_meta(state: LayerState, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """JSON metadata of ``state``; its tensors go into ``tensors`` under ``prefix.field``."""
+    if isinstance(state, StateGroup):
+        return {"type": "StateGroup", "parts": {name: _state_meta(part, f"{prefix}.{name}", tensors)
+                                                for name, part in state.parts.items()}}
+    fields = {}
+    for field in dataclasses.fields(state):
+        value = getattr(state, field.name)
+        if isinstance(value, torch.Tensor):
+            tensors[f"{prefix}.{field.name}"] = value.detach().to("cpu").contiguous()
+        else:
+            fields[field.name] = value
+    return {"type": type(state).__name__, "fields": fields}
+
+
+def _state_from_meta(empty: LayerState, meta: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> LayerState:
+    """The state :func:`_state_meta` described, rebuilt on ``empty`` (the model's own empty state of that layer)."""
+    if meta["type"] != type(empty).__name__:
+        raise ValueError(f"PrefixCache.load: state {prefix} is a {meta['type']} in the file, a "
+                         f"{type(empty).__name__} in this model's cache")
+    if isinstance(empty, StateGroup):
+        return StateGroup({name: _state_from_meta(part, meta["parts"][name], f"{prefix}.{name}", tensors)
+                           for name, part in empty.parts.items()})
+    values = {field.name: tensors[f"{prefix}.{field.name}"] if isinstance(getattr(empty, field.name), torch.Tensor)
+              else meta["fields"][field.name] for field in dataclasses.fields(empty)}
+    return dataclasses.replace(empty, **values)
