@@ -95,6 +95,8 @@ class HybridConfig(PreTrainedConfig):
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     attention_qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (LFM2, Qwen3-Next)
     attention_output_gate: bool = False  # o_proj(attention * sigmoid(gate_proj(x))) (Qwen3-Next)
+    attention_qk_norm_whole: bool = False  # the q/k RMSNorms span all heads together, not each head (OLMo)
+    post_norm_layers: list[int] | None = None  # layers that norm their mixer and MLP outputs, not inputs (OLMo)
 
     # --- Mamba-1 (selective scan, the Jamba mixer) ---------------------------------------------
     mamba_d_state: int = 16
@@ -141,6 +143,8 @@ class HybridConfig(PreTrainedConfig):
     deltanet_value_head_dim: int = 64
     deltanet_conv_size: int = 4
     deltanet_chunk_size: int = 64
+    deltanet_beta_scale: float = 1.0  # beta = scale * sigmoid(b); 2.0 allows negative eigenvalues (OLMo-Hybrid)
+    deltanet_norm_eps: float | None = None  # eps of the gated output norm; None: rms_norm_eps
     short_conv_size: int = 3
     short_conv_bias: bool = False
 
@@ -316,6 +320,9 @@ class HybridConfig(PreTrainedConfig):
             _fail("num_experts_per_tok", self.num_experts_per_tok, f"must be <= num_experts={self.num_experts}")
         self._check_router()
         self._check_shared_blocks()
+        n = self.num_hidden_layers
+        if self.post_norm_layers is not None and not all(0 <= i < n for i in self.post_norm_layers):
+            _fail("post_norm_layers", self.post_norm_layers, f"must be layer indices in [0, {n})")
 
     def _check_router(self) -> None:
         groups, chosen = self.moe_num_groups, self.moe_topk_groups

@@ -42,13 +42,13 @@ _RULES = {
         "moe_intermediate_size", "moe_num_groups", "moe_topk_groups", "moe_routed_scaling", "embedding_multiplier",
         "residual_multiplier", "logits_multiplier", "num_shared_blocks", "deltanet_num_key_heads",
         "deltanet_num_value_heads", "deltanet_key_head_dim", "deltanet_value_head_dim", "deltanet_conv_size",
-        "deltanet_chunk_size", "short_conv_size",
+        "deltanet_chunk_size", "short_conv_size", "deltanet_beta_scale",
     )),
     _non_negative: ("must be >= 0", (
         "attn_layer_offset", "expert_layer_offset", "initializer_range", "router_aux_loss_coef",
         "shared_expert_intermediate_size", "shared_block_adapter_rank", "pad_token_id", "bos_token_id",
     )),
-    _open_unit: ("must be in (0, 1)", ("rms_norm_eps", "mamba_dt_norm_eps")),
+    _open_unit: ("must be in (0, 1)", ("rms_norm_eps", "mamba_dt_norm_eps", "deltanet_norm_eps")),
     _closed_unit: ("must be in [0, 1]", ("partial_rotary_factor",)),
 }
 RANGES = {name: (test, text) for test, (text, names) in _RULES.items() for name in names}

@@ -51,13 +51,15 @@ class HybridBlock(GradientCheckpointingLayer):
 
     The mixer is absent for a ``"none"`` layer (MLP-only) and the MLP for ``mlp_type="none"`` (mixer-only);
     ``r`` is ``residual_multiplier``; ``injected`` is what a shared block adds to this layer's mixer input
-    (:mod:`hybridlm.shared_blocks`), None elsewhere."""
+    (:mod:`hybridlm.shared_blocks`), None elsewhere. A layer in ``post_norm_layers`` norms the outputs instead
+    (OLMo): ``h += r * norm(mixer(h))``, ``h += r * norm(mlp(h))``, with the same two norm weights."""
 
     def __init__(self, config: HybridConfig, layer_idx: int):
         super().__init__()
         self.mixer_type, self.mlp_type = config.layer_types[layer_idx], config.mlp_types[layer_idx]
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.residual_multiplier = config.residual_multiplier
+        self.post_norm = layer_idx in (config.post_norm_layers or ())
         self.mixer = build_mixer(self.mixer_type, config, layer_idx)
         if self.mixer is not None:
             self.input_layernorm = RMSNorm(hidden, eps)
@@ -77,21 +79,23 @@ class HybridBlock(GradientCheckpointingLayer):
             return StateGroup()
         return self.mixer.init_state(batch_size, max_length, device, dtype)
 
-    def _residual(self, hidden, out):
+    def _residual(self, hidden, out, norm):
+        out = norm(out) if self.post_norm else out
         return hidden + (out if self.residual_multiplier == 1.0 else out * self.residual_multiplier)
 
     def forward(self, hidden, state=None, mask=None, positions=None, injected=None, segments=None):
         if self.mixer is not None:
             mixer_input = hidden if injected is None else hidden + injected
-            out = mix(self.mixer, self.input_layernorm(mixer_input), state, mask=mask, positions=positions,
-                      segments=segments)
-            hidden = self._residual(hidden, out)
+            out = mix(self.mixer, mixer_input if self.post_norm else self.input_layernorm(mixer_input), state,
+                      mask=mask, positions=positions, segments=segments)
+            hidden = self._residual(hidden, out, self.input_layernorm)
         aux = None
+        mlp_input = hidden if self.post_norm or self.mlp_type == "none" else self.pre_mlp_layernorm(hidden)
         if self.mlp_type == "dense":
-            hidden = self._residual(hidden, self.mlp(self.pre_mlp_layernorm(hidden)))
+            hidden = self._residual(hidden, self.mlp(mlp_input), self.pre_mlp_layernorm)
         elif self.mlp_type == "moe":
-            out, aux = self.mlp(self.pre_mlp_layernorm(hidden), mask)
-            hidden = self._residual(hidden, out)
+            out, aux = self.mlp(mlp_input, mask)
+            hidden = self._residual(hidden, out, self.pre_mlp_layernorm)
         return hidden, aux
 
 
@@ -167,10 +171,11 @@ class HybridModel(HybridPreTrainedModel):
     # --- caches ---------------------------------------------------------------------------------
 
     def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None,
-                  policy=None) -> HybridCache:
+                  policy=None, static: bool = False) -> HybridCache:
         """An empty cache for ``batch_size`` rows; attention layers preallocate ``max_length`` slots if given.
         ``policy`` (a :class:`~hybridlm.CachePolicy`, or ``{state index: CachePolicy}``) picks the KV layout of
-        attention layers (quantized, sinks + window, heavy hitters); it stays with the cache."""
+        attention layers (quantized, sinks + window, heavy hitters); it stays with the cache. ``static=True``
+        fixes the capacity at ``max_length`` so that a decode step has fixed shapes (:mod:`hybridlm.kv.static`)."""
         device = device if device is not None else self.embed_tokens.weight.device
         dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
         kinds, states = self._init_states(batch_size, max_length, device, dtype)
@@ -178,9 +183,13 @@ class HybridModel(HybridPreTrainedModel):
             from .kv.policy import apply_policy
 
             states = apply_policy(states, policy)
+        if static:
+            from .kv.static import make_static
+
+            states = [make_static(state, kind) for state, kind in zip(states, kinds)]
         fixed = [mixer is None or not mixer.grows_with_context for mixer in self._state_mixers()]
         cache = HybridCache(states, kinds, self._signature(dtype), batch_size, device, linear=fixed)
-        cache.policy = policy
+        cache.policy, cache.capacity = policy, max_length if static else None
         return cache
 
     def _init_states(self, batch_size, max_length, device, dtype) -> tuple[list[str], list[LayerState]]:
@@ -232,6 +241,7 @@ class HybridModel(HybridPreTrainedModel):
                              f"({cache.policy}); a policy cannot change during generation")
         if cache is not None:
             self._check_cache(cache, batch, hidden.dtype)
+            cache.check_room(time)
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 raise ValueError("HybridModel: a cache cannot be used while training with gradient checkpointing")
         mask = self._current_mask(attention_mask, cache, batch, time)
@@ -239,7 +249,15 @@ class HybridModel(HybridPreTrainedModel):
         if segments is not None and position_ids is None:
             position_ids = segments.positions()
         positions = self._positions(position_ids, mask, cache, batch, time, hidden.device)
+        hidden, aux_losses = self.run_blocks(hidden, cache, mask, positions, segments)
+        if cache is not None:
+            cache.advance(mask, time)
+        aux_loss = load_balancing_loss(torch.stack(aux_losses)) if aux_losses else None
+        return HybridModelOutput(last_hidden_state=self.norm(hidden), cache=cache, aux_loss=aux_loss)
 
+    def run_blocks(self, hidden, cache, mask, positions, segments) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The stack (and shared blocks) over ``hidden [batch, time, hidden]``, before the final norm; returns
+        it with the MoE routing statistics. Leaves the cache's counters to the caller (``cache.advance``)."""
         aux_losses, embeddings = [], hidden
         sites = {layer: k for k, layer in enumerate(self.shared.layers)} if self.shared is not None else {}
         for i, block in enumerate(self.layers):
@@ -252,10 +270,7 @@ class HybridModel(HybridPreTrainedModel):
             hidden, aux = block(hidden, state, mask, positions, injected, segments)
             if aux is not None:
                 aux_losses.append(aux)
-        if cache is not None:
-            cache.advance(mask, time)
-        aux_loss = load_balancing_loss(torch.stack(aux_losses)) if aux_losses else None
-        return HybridModelOutput(last_hidden_state=self.norm(hidden), cache=cache, aux_loss=aux_loss)
+        return hidden, aux_losses
 
     def _embed(self, input_ids, inputs_embeds) -> torch.Tensor:
         """``[batch, time, hidden]`` from exactly one of the two; each is checked first, so that bad input is an
@@ -267,6 +282,10 @@ class HybridModel(HybridPreTrainedModel):
             check_embeddings(inputs_embeds, self.config.hidden_size, weight.dtype, weight.device)
             return inputs_embeds
         check_token_ids(input_ids, self.config.vocab_size, weight.device)
+        return self.embed_ids(input_ids)
+
+    def embed_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The scaled embeddings of ids already checked (or produced by the model itself)."""
         embeddings = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
         return embeddings if multiplier == 1.0 else embeddings * multiplier
@@ -347,12 +366,17 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
     def get_output_embeddings(self):
         return self.lm_head
 
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head (and ``logits_multiplier``) over final hidden states ``[..., hidden]``."""
+        logits = self.lm_head(hidden)
+        return logits if self.config.logits_multiplier == 1.0 else logits * self.config.logits_multiplier
+
     def set_output_embeddings(self, value):
         self.lm_head = value
 
     def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None,
-                  policy=None) -> HybridCache:
-        return self.model.new_cache(batch_size, max_length, device, dtype, policy)
+                  policy=None, static: bool = False) -> HybridCache:
+        return self.model.new_cache(batch_size, max_length, device, dtype, policy, static)
 
     def forward(
         self,
@@ -377,9 +401,7 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         hidden = out.last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(hidden)
-        if self.config.logits_multiplier != 1.0:
-            logits = logits * self.config.logits_multiplier
+        logits = self.logits_of(hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),

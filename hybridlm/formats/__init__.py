@@ -24,6 +24,7 @@ from . import (  # noqa: F401
     mamba2,
     mamba_ssm,
     nemotron_h,
+    olmo_hybrid,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,

@@ -27,7 +27,7 @@ class Attention(Mixer):
     pattern_letter = "A"
     config_fields = HEAD_LAYOUT_FIELDS + ("num_key_value_heads", "rope_theta", "partial_rotary_factor",
                                           "sliding_window", "attention_scale", "attention_qk_norm",
-                                          "attention_output_gate")
+                                          "attention_output_gate", "attention_qk_norm_whole")
     state_fields = ("sliding_window", "rope_theta", "partial_rotary_factor")  # keys are kept rotated
     causal = True
     grows_with_context = True
@@ -56,9 +56,12 @@ class Attention(Mixer):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
         rotary_dim = int(self.head_dim * config.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta) if rotary_dim else None
-        if config.attention_qk_norm:  # RMSNorm of each query and key head before RoPE (LFM2, Qwen3-Next)
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        # RMSNorm of each query and key head before RoPE (LFM2, Qwen3-Next), or of all heads together (OLMo)
+        self.qk_norm_whole = config.attention_qk_norm and config.attention_qk_norm_whole
+        if config.attention_qk_norm:
+            q_width, k_width = (self.num_heads, self.num_kv_heads) if self.qk_norm_whole else (1, 1)
+            self.q_norm = RMSNorm(q_width * self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(k_width * self.head_dim, config.rms_norm_eps)
         # output gate: o_proj(attention * sigmoid(gate_proj(x))) (Qwen3-Next)
         self.gate_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias) \
             if config.attention_output_gate else None
@@ -89,8 +92,10 @@ class Attention(Mixer):
         if segments is not None:
             check_stateless("attention", state, mask)
         batch, time, _ = q.shape
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(batch, time, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [b, h, t, d]
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         if positions is None:
             first = state.end if state is not None else 0
@@ -120,6 +125,8 @@ class Attention(Mixer):
 
     def _attend_view(self, q, view: KVView, state, packed) -> torch.Tensor:
         """``q [batch, heads, time, head_dim]`` over the view's keys, masked by slot, window and validity."""
+        if view.attend is not None:  # the layout attends in place (the paged decode kernel)
+            return view.attend(q, self.scale)
         time, n_keys = q.shape[2], view.keys.shape[2]
         wants_probs = state is not None and state.needs_attention_probs
         # In order, without padding or a window, causality is SDPA's own (much faster than an explicit mask).

@@ -40,13 +40,14 @@ def check_positive(config, names) -> None:
 class GatedDeltaNet(Mixer):
     pattern_letter = "D"
     config_fields = ("deltanet_num_key_heads", "deltanet_num_value_heads", "deltanet_key_head_dim",
-                     "deltanet_value_head_dim", "deltanet_conv_size", "deltanet_chunk_size")
+                     "deltanet_value_head_dim", "deltanet_conv_size", "deltanet_chunk_size", "deltanet_beta_scale",
+                     "deltanet_norm_eps")
     causal = True
     grows_with_context = False
 
     @classmethod
     def check_config(cls, config) -> None:
-        check_positive(config, cls.config_fields)
+        check_positive(config, cls.config_fields[:6])  # the head layout and sizes (integers)
         if config.deltanet_num_value_heads % config.deltanet_num_key_heads:
             raise invalid_config("deltanet_num_value_heads", config.deltanet_num_value_heads,
                                  f"must be a multiple of deltanet_num_key_heads={config.deltanet_num_key_heads} "
@@ -57,7 +58,7 @@ class GatedDeltaNet(Mixer):
         hidden = config.hidden_size
         self.key_heads, self.heads = config.deltanet_num_key_heads, config.deltanet_num_value_heads
         self.dim_k, self.dim_v = config.deltanet_key_head_dim, config.deltanet_value_head_dim
-        self.chunk_size = config.deltanet_chunk_size
+        self.chunk_size, self.beta_scale = config.deltanet_chunk_size, config.deltanet_beta_scale
         self.key_dim, self.value_dim = self.key_heads * self.dim_k, self.heads * self.dim_v
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
@@ -65,7 +66,8 @@ class GatedDeltaNet(Mixer):
         self.conv1d = ShortConv(self.conv_dim, config.deltanet_conv_size, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads))
-        self.norm = GatedRMSNorm(self.dim_v, self.dim_v, eps=config.rms_norm_eps, norm_before_gate=True)
+        norm_eps = config.deltanet_norm_eps if config.deltanet_norm_eps is not None else config.rms_norm_eps
+        self.norm = GatedRMSNorm(self.dim_v, self.dim_v, eps=norm_eps, norm_before_gate=True)
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
 
     def initial_values(self) -> dict[str, torch.Tensor]:
@@ -93,7 +95,8 @@ class GatedDeltaNet(Mixer):
         q = l2_normalize(q.view(batch, time, self.key_heads, self.dim_k))  # [batch, time, key_heads, dim_k]
         k = l2_normalize(k.view(batch, time, self.key_heads, self.dim_k))
         v = v.reshape(batch, time, self.heads, self.dim_v)
-        beta = zero_padding(torch.sigmoid(at_least_fp32(b)), mask)  # beta = g = 0: a padded token changes nothing
+        # beta = g = 0: a padded token changes nothing
+        beta = zero_padding(torch.sigmoid(at_least_fp32(b)) * self.beta_scale, mask)
         decay_rate = at_least_fp32(self.A_log).exp()  # [heads]
         log_gate = zero_padding(-decay_rate * F.softplus(at_least_fp32(a) + self.dt_bias), mask)
         if state is not None and time == 1:
