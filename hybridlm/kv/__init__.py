@@ -2,8 +2,9 @@
 
 from ..cache import KVLayout, KVState, KVView
 from .layouts import HeavyHitterKV, RingKV, SinkWindowKV
+from .paged import PagedKV
 from .policy import CachePolicy, apply_policy
 from .quantize import QuantizedKV
 
-__all__ = ["CachePolicy", "HeavyHitterKV", "KVLayout", "KVState", "KVView", "QuantizedKV", "RingKV", "SinkWindowKV",
-           "apply_policy"]
+__all__ = ["CachePolicy", "HeavyHitterKV", "KVLayout", "KVState", "KVView", "PagedKV", "QuantizedKV", "RingKV",
+           "SinkWindowKV", "apply_policy"]

@@ -9,11 +9,12 @@ default (``CachePolicy()``)       :class:`~hybridlm.cache.KVState` (contiguous, 
 ``kv_bits`` 8, 4 or 2             :class:`~hybridlm.kv.quantize.QuantizedKV` (KIVI)
 ``window`` (``sink_tokens``)      :class:`~hybridlm.kv.layouts.SinkWindowKV` (StreamingLLM; no sinks: window only)
 ``heavy_hitters`` + ``window``    :class:`~hybridlm.kv.layouts.HeavyHitterKV` (H2O)
+``page_size``                     :class:`~hybridlm.kv.paged.PagedKV` (pages from a shared pool, copy-on-write)
 ================================  ==================================================
 
 A layer with its own ``sliding_window`` keeps its ring (:class:`~hybridlm.kv.layouts.RingKV`): it is bounded
 already, and a policy must not let it see beyond its window. Quantization does not combine with the bounded
-layouts (yet): asking for both is an error. A policy is fixed for the life of a cache.
+layouts (yet), nor paging with either: asking for both is an error. A policy is fixed for the life of a cache.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 
 from ..cache import KVLayout, KVState, LayerState, StateGroup
 from .layouts import HeavyHitterKV, SinkWindowKV
+from .paged import PagedKV
 from .quantize import BITS, QuantizedKV
 
 
@@ -35,7 +37,8 @@ class CachePolicy:
     * ``kv_group_size``: tokens per key scale, channels per value scale (must divide head_dim);
     * ``kv_residual``: recent tokens kept in full precision;
     * ``sink_tokens`` + ``window``: StreamingLLM's attention sinks and recent window;
-    * ``heavy_hitters`` + ``window``: H2O's heavy hitters and recent window.
+    * ``heavy_hitters`` + ``window``: H2O's heavy hitters and recent window;
+    * ``page_size``: tokens per page of a paged cache (rows share a pool; samples share their prompt's pages).
     """
 
     kv_bits: int = 16
@@ -44,6 +47,7 @@ class CachePolicy:
     sink_tokens: int = 0
     window: int | None = None
     heavy_hitters: int | None = None
+    page_size: int | None = None
 
     def __post_init__(self):
         def positive(name, value, allow_zero=False):
@@ -68,15 +72,22 @@ class CachePolicy:
         if self.kv_bits != 16 and self.window is not None:
             raise ValueError(f"CachePolicy: kv_bits={self.kv_bits} with window / sink_tokens / heavy_hitters is not "
                              "supported; quantize a full cache or bound it, not both")
+        if self.page_size is not None:
+            positive("page_size", self.page_size)
+            if self.kv_bits != 16 or self.window is not None:
+                raise ValueError(f"CachePolicy: page_size={self.page_size} with kv_bits / window / sink_tokens / "
+                                 "heavy_hitters is not supported; a paged cache holds every token in full precision")
 
     @property
     def is_default(self) -> bool:
-        return self.kv_bits == 16 and self.window is None
+        return self.kv_bits == 16 and self.window is None and self.page_size is None
 
     def layout(self, template: KVState) -> KVLayout:
         """The empty state this policy gives an attention layer whose default state is ``template``."""
         batch, heads, _, dim = template.keys.shape
         where = dict(device=template.keys.device, dtype=template.keys.dtype)
+        if self.page_size is not None:
+            return PagedKV.empty(batch, heads, dim, page_size=self.page_size, capacity=template.keys.shape[2], **where)
         if self.heavy_hitters:
             return HeavyHitterKV.empty(batch, heads, dim, heavy=self.heavy_hitters, window=self.window, **where)
         if self.window is not None:

@@ -14,6 +14,7 @@ causal_conv1d_update = Dispatcher("causal_conv1d_update")
 causal_linear_attention = Dispatcher("causal_linear_attention")
 gated_delta_rule = Dispatcher("gated_delta_rule")
 gated_delta_rule_step = Dispatcher("gated_delta_rule_step")
+paged_attention = Dispatcher("paged_attention")
 selective_scan = Dispatcher("selective_scan")
 selective_state_update = Dispatcher("selective_state_update")
 ssd_chunk_scan = Dispatcher("ssd_chunk_scan")
@@ -27,6 +28,7 @@ __all__ = [
     "causal_linear_attention",
     "gated_delta_rule",
     "gated_delta_rule_step",
+    "paged_attention",
     "report",
     "selective_scan",
     "selective_state_update",

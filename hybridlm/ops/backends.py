@@ -39,6 +39,7 @@ from .compressed_attention import causal_compressed_attention_ref
 from .delta_rule import gated_delta_rule_ref, gated_delta_rule_step_ref
 from .linear_attention import causal_linear_attention_ref
 from .packing import PACKING_ARGUMENTS, takes_packing
+from .paged_attention import paged_attention_ref
 from .selective_scan import selective_scan_ref, selective_state_update_ref
 from .ssd import ssd_chunk_scan_ref
 
@@ -60,6 +61,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "causal_compressed_attention": ("torch",),
     "gated_delta_rule": ("torch",),
     "gated_delta_rule_step": ("torch",),
+    "paged_attention": ("triton", "torch"),
 }
 
 REFERENCES: dict[str, Callable] = {
@@ -73,6 +75,7 @@ REFERENCES: dict[str, Callable] = {
     "causal_compressed_attention": causal_compressed_attention_ref,
     "gated_delta_rule": gated_delta_rule_ref,
     "gated_delta_rule_step": gated_delta_rule_step_ref,
+    "paged_attention": paged_attention_ref,
 }
 
 

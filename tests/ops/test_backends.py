@@ -54,6 +54,8 @@ def sample_call(op: str, device: str) -> tuple[tuple, dict]:
                              {"chunk_size": 4}),
         "gated_delta_rule_step": ((r(2, 2, 4, 3), r(2, 1, 4), r(2, 1, 4), r(2, 2, 3), -r(2, 2).exp(),
                                    r(2, 2).sigmoid()), {}),
+        "paged_attention": ((r(2, 4, 1, 8), r(5, 2, 3, 8), r(5, 2, 3, 8), torch.tensor([[4, 0], [1, 3]]).to(device),
+                             torch.tensor([5, 2]).to(device)), {"scale": 0.3}),
     }
     return calls[op]
 

@@ -7,6 +7,7 @@ this package is first imported (slow: for tests).
 
 from .causal_conv1d import causal_conv1d, causal_conv1d_update
 from .linear_attention import causal_linear_attention
+from .paged_attention import paged_attention
 from .selective_scan import selective_scan
 from .ssd import ssd_chunk_scan
 from .state_update import selective_state_update
@@ -15,6 +16,7 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "causal_linear_attention",
+    "paged_attention",
     "selective_scan",
     "selective_state_update",
     "ssd_chunk_scan",
