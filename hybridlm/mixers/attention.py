@@ -127,8 +127,6 @@ class Attention(Mixer):
         """``q [batch, heads, time, head_dim]`` over the view's keys, masked by slot, window and validity."""
         if view.attend is not None:  # the layout attends in place (the paged decode kernel)
             return view.attend(q, self.scale)
-        if view.attend is not None:  # the layout attends in place (the paged decode kernel)
-            return view.attend(q, self.scale)
         time, n_keys = q.shape[2], view.keys.shape[2]
         wants_probs = state is not None and state.needs_attention_probs
         # In order, without padding or a window, causality is SDPA's own (much faster than an explicit mask).
