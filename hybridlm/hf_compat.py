@@ -4,6 +4,8 @@ this is the module to read.
 * ``generate()`` passes the cache as ``cache=`` and reads it back from ``outputs.cache``; it must not build its
   own ``DynamicCache`` (:class:`GenerationSupport`), and it passes arguments the model ignores
   (:func:`forward_kwargs`).
+* Assisted decoding (``assistant_model=``, ``prompt_lookup_num_tokens=``) needs a cache before the first forward
+  and rolls it back with ``crop`` (:class:`GenerationSupport`).
 * ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` learn ``model_type="hybridlm"`` when the model
   classes are defined (:func:`register_auto_classes`).
 """
@@ -22,12 +24,27 @@ class GenerationSupport:
     """Mixin for a causal LM with hybridlm's own cache, so that transformers' ``generate()`` works with it:
     ``forward(cache=...)`` continues a :class:`~hybridlm.HybridCache`, and ``use_cache=True`` starts one."""
 
-    #: SSM states cannot be rolled back: transformers must not use assisted (speculative) decoding.
-    _is_stateful = True
+    #: The cache rolls back (``HybridCache.crop``), so transformers may use assisted decoding; whether a given
+    #: cache can is its ``is_croppable``, which generate() checks after the first forward.
+    _is_stateful = False
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False  # generate() must not build a transformers DynamicCache: forward makes a HybridCache
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """Leaves the cache to ``forward``, except in assisted decoding, which needs one before its first forward
+        (to record its past and roll back): the target's and the assistant's are made here."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                              max_cache_length)
+        from transformers.generation.configuration_utils import GenerationMode
+
+        assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
+        if assisted and model_kwargs.get("cache") is None and generation_config.use_cache is not False:
+            model_kwargs["cache"] = self.new_cache(batch_size, max_length=max_cache_length)
+            if generation_config.is_assistant:  # its drafts are cropped after the target's verification
+                model_kwargs["cache"].activate_past_recording()
 
 
 def forward_kwargs(owner: str, kwargs: dict) -> dict:
