@@ -153,7 +153,7 @@ class PagedKV(DenseKV):
 
     def block_table(self, device=None) -> torch.Tensor:
         """``[batch, max pages]`` int32: each row's pages, then zeros (never read: past the row's length)."""
-        widest = max(1, max(map(len, self.tables)))
+        widest = max(map(len, self.tables), default=0) or 1
         rows = [table + [0] * (widest - len(table)) for table in self.tables]
         return torch.tensor(rows, dtype=torch.int32, device=device)
 
@@ -179,6 +179,28 @@ class PagedKV(DenseKV):
         """``q [batch, q_heads, 1, head_dim]`` over each row's pages, read in place by the paged kernel."""
         lengths = torch.tensor([self.seen - p for p in self.pads], device=q.device)
         return ops.paged_attention(q, self.keys, self.values, self.block_table(q.device), lengths, scale=scale)
+
+    # --- rollback (HybridCache.crop) ----------------------------------------------------------------------
+
+    croppable = True
+
+    def rewind_blocker(self, tokens: int) -> str | None:
+        return None if tokens <= self.seen else f"it has seen only {self.seen} slots"
+
+    def rewind(self, tokens: int) -> None:
+        """Forget the last ``tokens`` slots: each row gives back the pages it no longer needs (a page still
+        shared stays with its other rows); padding that reached into them shrinks to what is left."""
+        self.seen -= tokens
+        self.pads = [min(pad, self.seen) for pad in self.pads]
+        if self.has_padding:
+            self.padding = self.padding.clamp(max=self.seen)
+        for table, pad in zip(self.tables, self.pads):
+            keep = math.ceil((self.seen - pad) / self.page_size)
+            for page in table[keep:]:
+                self.refs[page] -= 1
+                if not self.refs[page]:
+                    self.free.append(page)
+            del table[keep:]
 
     # --- rows, copies, devices ----------------------------------------------------------------------------
 
