@@ -206,6 +206,17 @@ def run_info(args) -> None:
                         ("bytes", "cache bytes", ",d")]))
 
 
+@command("build-kernels", "Build the CUDA selective scan now (else the first forward on a GPU builds it, ~1 min).")
+def run_build_kernels(args) -> None:
+    from .ops import cuda
+
+    reason = cuda.unavailable_reason()
+    if reason is not None:
+        raise OSError(f"cannot build the CUDA selective scan here: {reason}")
+    cuda.load_library()
+    print(f"the CUDA selective scan is built (torch.ops.{cuda.LIBRARY}); later processes load it from the cache")
+
+
 @command(
     "bench", "Decode ms/token and cache bytes/token of attention, 1:7 hybrid and Mamba-2 stacks; scan speedups.",
     option("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="context lengths to decode at"),
@@ -308,6 +319,8 @@ def run_memory(args) -> None:
     option("--sink-tokens", type=int, default=0, help="attention sinks kept with --window (StreamingLLM)"),
     option("--window", type=int, help="keep only the last WINDOW tokens' keys and values (with --sink-tokens); "
                                       "default: keep every token"),
+    option("--page-size", type=int, help="paged KV cache: keys and values in pages of PAGE_SIZE tokens; "
+                                         "default: one contiguous buffer per layer"),
 )
 def run_generate(args) -> None:
     import torch
@@ -335,7 +348,8 @@ def run_generate(args) -> None:
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     from .kv.policy import CachePolicy
 
-    policy = CachePolicy(kv_bits=args.kv_bits, sink_tokens=args.sink_tokens, window=args.window)
+    policy = CachePolicy(kv_bits=args.kv_bits, sink_tokens=args.sink_tokens, window=args.window,
+                         page_size=args.page_size)
     _stream(model, tokenizer, prompt_ids, stops, settings, args.prefill_chunk, None if policy.is_default else policy)
 
 

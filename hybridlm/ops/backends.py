@@ -84,7 +84,9 @@ class BackendUnavailable(RuntimeError):
 
 
 class Declined(Exception):
-    """Raised by an adapter, before doing any work, for a call its library cannot serve exactly."""
+    """Raised by a backend, before returning anything, for a call it cannot serve exactly (an adapter's library
+    cannot, a dtype or state size our kernel does not take, a Triton kernel that fails to compile for this GPU):
+    the default plan runs the next backend, a forced backend raises :class:`BackendUnavailable`."""
 
 
 # ---- availability ---------------------------------------------------------------------------------------------
@@ -228,10 +230,8 @@ def _forced_plan(op: str, backend: str, device_type: str) -> Plan:
             raise BackendUnavailable(message)
 
         return Plan((), unavailable, (backend,))
-    if backend not in LIBRARIES:  # only adapters decline
-        return Plan((), function, (backend,))
 
-    @functools.wraps(function)
+    @functools.wraps(function)  # adapters, the CUDA scan and the Triton kernels decline what they cannot run
     def strict(*args, **kwargs):
         try:
             return function(*args, **kwargs)
@@ -354,7 +354,9 @@ class Dispatcher:
 
     def __call__(self, *args, **kwargs):
         first = args[0] if args else kwargs[self._first]
-        selection = _override.get() or _environment or _from_environment()
+        # torch.compile cannot read a ContextVar: compiled code runs HYBRIDLM_BACKEND's choice (and
+        # hybridlm.decode.DecodeStep refuses to run compiled inside a use_backend block)
+        selection = (None if torch.compiler.is_compiling() else _override.get()) or _environment or _from_environment()
         key = (self.op, first.device.type)
         plan = selection.plans.get(key) or selection.plan(*key)
         return plan(*args, **kwargs)

@@ -4,17 +4,23 @@
 The extension is compiled on first use on a CUDA machine by ``torch.utils.cpp_extension.load`` (about a minute;
 the result is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) and registers the
 operators ``torch.ops.hybridlm_selective_scan.forward`` / ``.backward``. Nothing here imports CUDA tooling until
-then, so this module imports everywhere. Set ``HYBRIDLM_BUILD_VERBOSE=1`` to see the compiler's output.
+then, so this module imports everywhere. Set ``HYBRIDLM_BUILD_VERBOSE=1`` to see the compiler's output;
+``hybridlm build-kernels`` builds it ahead of the first forward pass. Calls it cannot take (float64, a state
+larger than ``MAX_DSTATE``) are declined, so the backend selection runs the next backend.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 from pathlib import Path
+from time import perf_counter
 
 import torch
+
+from .backends import Declined
 
 KERNEL_DIR = Path(__file__).resolve().parent / "cuda_src" / "selective_scan"
 SOURCES = ("binding.cpp", "selective_scan_fwd.cu", "selective_scan_bwd.cu")
@@ -25,6 +31,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _library = None
 _build_error: str | None = None
+_log = logging.getLogger(__name__)
 
 
 def unavailable_reason(device: torch.device | str | None = None) -> str | None:
@@ -65,6 +72,9 @@ def load_library():
             raise RuntimeError(f"hybridlm CUDA selective scan unavailable: {reason}")
         from torch.utils.cpp_extension import load
 
+        _log.warning("hybridlm: building the CUDA selective scan (once, about a minute; cached under "
+                     "TORCH_EXTENSIONS_DIR). `hybridlm build-kernels` builds it ahead of time.")
+        started = perf_counter()
         try:
             load(
                 name=LIBRARY,
@@ -81,17 +91,21 @@ def load_library():
                 "rerun with HYBRIDLM_BUILD_VERBOSE=1 for the compiler output"
             ) from error
         _library = getattr(torch.ops, LIBRARY)
+        _log.warning("hybridlm: CUDA selective scan ready after %.0f s", perf_counter() - started)
     return _library
 
 
 def check_arguments(u, delta, A, B, C, D=None, z=None, delta_bias=None, initial_state=None) -> None:
-    """Raises ValueError naming the first argument whose shape, dtype or device the kernels cannot take."""
+    """Raises :class:`Declined` for a well-formed call the kernels do not take (the next backend can), and
+    ValueError naming the first argument whose shape or device is wrong."""
     if u.dim() != 3:
         raise ValueError(f"selective_scan: u must be [batch, dim, time], got {tuple(u.shape)}")
     if u.dtype not in DTYPES:
-        raise ValueError(f"selective_scan: u must be float32, float16 or bfloat16, got {u.dtype}")
+        raise Declined(f"the CUDA selective scan takes u in float32, float16 or bfloat16, got {u.dtype}")
+    if A.dim() == 2 and A.shape[1] > MAX_DSTATE:
+        raise Declined(f"the CUDA selective scan takes dstate <= {MAX_DSTATE}, got A {tuple(A.shape)}")
     batch, dim, time = u.shape
-    if A.dim() != 2 or A.shape[0] != dim or not 1 <= A.shape[1] <= MAX_DSTATE:
+    if A.dim() != 2 or A.shape[0] != dim or A.shape[1] < 1:
         raise ValueError(f"selective_scan: A must be [dim={dim}, dstate <= {MAX_DSTATE}], got {tuple(A.shape)}")
     dstate = A.shape[1]
     expected = {"delta": (u.shape, delta), "z": (u.shape, z), "D": ((dim,), D), "delta_bias": ((dim,), delta_bias),

@@ -8,10 +8,17 @@ import torch
 import triton
 import triton.language as tl
 from triton import knobs
+from triton.errors import TritonError
+
+from ..backends import Declined
 
 # Kernels are decorated when this package is imported; TRITON_INTERPRET decides then whether they run in
 # Triton's CPU interpreter or are compiled for the GPU.
 INTERPRETED = bool(knobs.runtime.interpret)
+
+# fp32 tile products: tf32 with error compensation (three tf32 products, about fp32's accuracy) on the GPU's
+# tensor cores; the interpreter computes "ieee" (exact fp32) products only.
+FP32_PRECISION: tl.constexpr = tl.constexpr("ieee" if INTERPRETED else "tf32x3")
 
 _poison = False
 
@@ -51,10 +58,54 @@ def check_device(op: str, *tensors: torch.Tensor | None) -> None:
         )
 
 
+class KernelFailed(Declined):
+    """A Triton kernel that does not compile (or does not fit: registers, shared memory) for this GPU with this
+    configuration. A :class:`~hybridlm.ops.backends.Declined`: the default backend choice runs the next backend,
+    a forced ``triton`` raises ``BackendUnavailable`` with this message."""
+
+
+_failed: dict[tuple, str] = {}  # (kernel, configuration) -> why it failed: not compiled again
+compiled: dict[str, dict] = {}  # kernel name -> resources of its last compiled launch (for benchmarks/gpu_check.py)
+
+
+def _configuration(kernel, kwargs: dict) -> tuple:
+    constants = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, str))))
+    return (_name(kernel), *constants)
+
+
+def _name(kernel) -> str:
+    fn = getattr(kernel, "fn", kernel)  # an Autotuner wraps the JIT function
+    return getattr(fn, "__name__", repr(fn))
+
+
+def device_guard(device: torch.device):
+    """Launches go to ``device``, not the current CUDA device (multi-GPU models, ``device_map="auto"``)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
-    """Launch ``kernel`` unless the grid is empty (a zero-length input)."""
-    if all(grid):
-        kernel[grid](*args, **kwargs)
+    """Launch ``kernel`` on the device of its first tensor argument unless the grid is empty (a zero-length
+    input). A compile error or a configuration that does not fit the GPU raises :class:`KernelFailed` naming the
+    kernel and configuration (remembered: the same configuration is not compiled again)."""
+    if not all(grid):
+        return
+    key = _configuration(kernel, kwargs)
+    if key in _failed:
+        raise KernelFailed(_failed[key])
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    try:
+        with device_guard(device):
+            handle = kernel[grid](*args, **kwargs)
+    except TritonError as error:
+        settings = ", ".join(f"{k}={v}" for k, v in key[1:])
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        _failed[key] = (f"Triton kernel {key[0]} ({settings}) failed on {device}: "
+                        f"{type(error).__name__}: {first_line}")
+        raise KernelFailed(_failed[key]) from error
+    if handle is not None and hasattr(handle, "metadata"):  # compiled (not interpreted): keep its resources
+        compiled[key[0]] = dict(registers=getattr(handle, "n_regs", None), spills=getattr(handle, "n_spills", None),
+                                shared_bytes=handle.metadata.shared, warps=handle.metadata.num_warps,
+                                stages=handle.metadata.num_stages, config=dict(key[1:]))
 
 
 def block(n: int, minimum: int = 16, maximum: int | None = None) -> int:
@@ -76,10 +127,24 @@ def dot_dtype(*tensors: torch.Tensor):
     return tl.float32
 
 
+def state_dot_dtype(*tensors: torch.Tensor):
+    """Operand type of products with a state (sums over whole sequences, kept in fp32 between kernels): bf16
+    for bf16 inputs (fp32's range), else fp32. An fp16 state can exceed 65504, so fp16 inputs do not cast it."""
+    if not INTERPRETED and any(t.dtype == torch.bfloat16 for t in tensors):
+        return tl.bfloat16
+    return tl.float32
+
+
 # The kernels use the helpers below instead of tl.sum, tl.cumsum, tl.zeros, tl.sigmoid and tl.cdiv. Those are
 # @triton.jit functions of triton.language itself, and Triton's CPU interpreter runs them only if TRITON_INTERPRET
 # was set before triton.language was first imported, which a process that imports transformers (which imports
 # triton) cannot arrange. Built on the core primitives, these compile to the same code on the GPU.
+
+
+@triton.jit
+def program_id64(AXIS: tl.constexpr):
+    """``tl.program_id(AXIS)`` as int64, so that the offsets computed from it do not wrap past 2**31 elements."""
+    return tl.program_id(AXIS).to(tl.int64)
 
 
 @triton.jit
@@ -111,8 +176,30 @@ def cdiv(a, b):
 
 @triton.jit
 def mm(a, b, DOT_DTYPE: tl.constexpr):
-    """Tile product with fp32 accumulation; fp32 operands are multiplied exactly, not in tf32."""
-    return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision="ieee")
+    """Tile product with fp32 accumulation; fp32 operands in ``FP32_PRECISION`` (about fp32's accuracy)."""
+    if DOT_DTYPE == tl.float32:
+        return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), input_precision=FP32_PRECISION)
+    return tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
+
+
+@triton.jit
+def _xor(a, b):
+    return a ^ b
+
+
+@triton.jit
+def flip_rows(x, ROWS: tl.constexpr, LOG2_ROWS: tl.constexpr, COLS: tl.constexpr, DEPTH: tl.constexpr):
+    """``x[::-1]`` of an fp32 ``[ROWS, COLS, DEPTH]`` tile, exactly (bit patterns swapped by xor, as ``tl.flip``).
+
+    Reversed scans run as forward scans between two flips: a reversed ``tl.associative_scan`` with an
+    order-dependent combine has a history of wrong results on GPUs.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    for i in tl.static_range(LOG2_ROWS):  # swap the halves of every block of 2 << i rows
+        pairs = tl.reshape(bits, (ROWS // (2 << i), 2, 1 << i, COLS, DEPTH))
+        pairs = pairs ^ tl.reduce(pairs, 1, _xor, keep_dims=True)
+        bits = tl.reshape(pairs, (ROWS, COLS, DEPTH))
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..causal_conv1d import ACTIVATIONS
-from ._common import block, check_device, launch, new_buffer, silu, silu_grad, total
+from ._common import block, check_device, launch, new_buffer, program_id64, silu, silu_grad, total
 
 _BLOCK_T = 64
 
@@ -55,7 +55,7 @@ def _conv_fwd_kernel(
     WIDTH: tl.constexpr, HAS_INIT: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
     BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    b, pc, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, pc, pt = program_id64(0), program_id64(1), program_id64(2)
     offs_c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
     y = _pre_activation(X, INIT, W, BIAS, b, offs_c, offs_t, time, channels, sx_b, sx_c, sx_t, si_b, si_c, si_t,
@@ -73,7 +73,7 @@ def _conv_bwd_pre_kernel(
     BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Gradient before the activation, and this tile's share of the weight and bias gradients."""
-    b, pc, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, pc, pt = program_id64(0), program_id64(1), program_id64(2)
     offs_c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
     offs_t = pt * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_c = offs_c < channels
@@ -100,7 +100,7 @@ def _conv_bwd_input_kernel(
 ):
     """Gradient of the padded sequence: ``sum_k w[k] dpre[p - k]``, plus the final window's gradient on its last
     ``WIDTH - 1`` elements; the first ``WIDTH - 1`` go to the initial window, the rest to ``x``."""
-    b, pc, pt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, pc, pt = program_id64(0), program_id64(1), program_id64(2)
     offs_c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
     p = pt * BLOCK_T + tl.arange(0, BLOCK_T)  # index into the padded sequence
     mask_c = offs_c < channels
@@ -127,7 +127,7 @@ def _conv_update_kernel(
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     """One step: ``y = bias + w . [window, x]``; the window shifts left by one and takes ``x``."""
-    b, pc = tl.program_id(0), tl.program_id(1)
+    b, pc = program_id64(0), program_id64(1)
     offs_c = pc * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < channels
     x = tl.load(X + b * sx_b + offs_c * sx_c, mask=mask_c, other=0.0).to(tl.float32)

@@ -30,7 +30,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block, cdiv, check_device, dot_dtype, launch, mm, new_buffer, running_total
+from ._common import (
+    block,
+    cdiv,
+    check_device,
+    dot_dtype,
+    launch,
+    mm,
+    new_buffer,
+    program_id64,
+    running_total,
+    state_dot_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -74,11 +85,11 @@ def _chunk_cumsum_kernel(
     X, OUT, TABLE, n_chunks, time, sx_b, sx_t, sx_h, REVERSE: tl.constexpr, BLOCK_L: tl.constexpr
 ):
     """OUT[b, t, h] = sum of X over the chunk up to t (inclusive; from t to the chunk end when REVERSE)."""
-    c, h = tl.program_id(0), tl.program_id(1)
+    c, h = program_id64(0), program_id64(1)
     n_heads = tl.num_programs(1)
-    row = tl.load(TABLE + c)
-    start = tl.load(TABLE + n_chunks + c)
-    end = tl.load(TABLE + 2 * n_chunks + c)
+    row = tl.load(TABLE + c).to(tl.int64)
+    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
+    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
     t = start + tl.arange(0, BLOCK_L)
     mask = t < end
     x = tl.load(X + row * sx_b + t * sx_t + h * sx_h, mask=mask, other=0.0).to(tl.float32)
@@ -95,13 +106,13 @@ def _chunk_state_kernel(
 ):
     """OUT[c, h] = sum_s w[s] v[s] (outer) k[s] over chunk c: w = the decay from s to the chunk end, or, when
     REVERSE, from the chunk start to s."""
-    c, pid = tl.program_id(0), tl.program_id(1)
+    c, pid = program_id64(0), tl.program_id(1)
     n_vb = cdiv(DV, BLOCK_V)
     h, vb = pid // n_vb, pid % n_vb
     n_heads = tl.num_programs(1) // n_vb
-    row = tl.load(TABLE + c)
-    start = tl.load(TABLE + n_chunks + c)
-    end = tl.load(TABLE + 2 * n_chunks + c)
+    row = tl.load(TABLE + c).to(tl.int64)
+    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
+    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
     g_row = G + row * time * n_heads + h
     g_end = tl.load(g_row + (end - 1) * n_heads)
     offs_k = tl.arange(0, BLOCK_K)
@@ -132,7 +143,7 @@ def _state_passing_kernel(
 ):
     """Carry the state through the chunks of sequence s: OUT[c] is the state entering chunk c (in scan order),
     then state = exp(total decay of c) * state + ADDED[c]; FINAL[s] is the state after the last chunk."""
-    s, h, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s, h, pb = program_id64(0), program_id64(1), tl.program_id(2)
     n_heads = tl.num_programs(1)
     offs = pb * BLOCK + tl.arange(0, BLOCK)
     mask = offs < SIZE
@@ -140,7 +151,7 @@ def _state_passing_kernel(
         state = tl.load(INIT + (s * n_heads + h) * SIZE + offs, mask=mask, other=0.0).to(tl.float32)
     else:
         state = tl.full((BLOCK,), 0.0, tl.float32)
-    first = tl.load(SEQS + s)
+    first = tl.load(SEQS + s).to(tl.int64)
     last = tl.load(SEQS + n_seqs + s)
     for i in range(0, last - first):
         if REVERSE:
@@ -148,8 +159,8 @@ def _state_passing_kernel(
         else:
             c = first + i
         tl.store(OUT + (c * n_heads + h) * SIZE + offs, state, mask=mask)
-        row = tl.load(TABLE + c)
-        end = tl.load(TABLE + 2 * n_chunks + c)
+        row = tl.load(TABLE + c).to(tl.int64)
+        end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
         decay = tl.exp(tl.load(G + (row * time + end - 1) * n_heads + h))
         state = decay * state + tl.load(ADDED + (c * n_heads + h) * SIZE + offs, mask=mask, other=0.0)
     tl.store(FINAL + (s * n_heads + h) * SIZE + offs, state, mask=mask)
@@ -161,7 +172,7 @@ def _chunk_scan_kernel(
     sq_b, sq_t, sq_h, sq_d, q_ratio, sk_b, sk_t, sk_h, sk_d, k_ratio, sv_b, sv_t, sv_h, sv_d, v_ratio,
     ss_c, ss_h, ss_v, ss_k, DK, DV,
     REVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, STATE_DOT_DTYPE: tl.constexpr,
 ):
     """OUT[t] = sum_{s <= t in the chunk} (q[t].k[s]) decay(s -> t) v[t] + decay(start -> t) S[c] q[t].
 
@@ -169,13 +180,13 @@ def _chunk_scan_kernel(
     are [batch, time, heads or groups, dim] (strides given; head h reads group h // ratio); S is [chunk, head,
     DV, DK] through its strides, so a transposed state is a stride swap. OUT is [batch, time, head, DV] fp32.
     """
-    c, mb, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    c, mb, pid = program_id64(0), tl.program_id(1), tl.program_id(2)
     n_vb = cdiv(DV, BLOCK_V)
     h, vb = pid // n_vb, pid % n_vb
     n_heads = tl.num_programs(2) // n_vb
-    row = tl.load(TABLE + c)
-    start = tl.load(TABLE + n_chunks + c)
-    end = tl.load(TABLE + 2 * n_chunks + c)
+    row = tl.load(TABLE + c).to(tl.int64)
+    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
+    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
     m0 = start + mb * BLOCK_M
     if m0 >= end:
         return
@@ -196,7 +207,7 @@ def _chunk_scan_kernel(
         w_state = tl.exp(tl.load(g_row + (end - 1) * n_heads) - g_m)
     else:
         w_state = tl.exp(g_m)
-    acc = mm(q, state, DOT_DTYPE) * w_state[:, None]
+    acc = mm(q, state, STATE_DOT_DTYPE) * w_state[:, None]
 
     if REVERSE:
         lo, hi = m0, end
@@ -281,7 +292,7 @@ def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False) ->
         q, k, v, states, g_cum, out, chunks.table, chunks.count, time,
         *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), dk, dv,
         REVERSE=reverse, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_K=block(dk), BLOCK_V=block_v,
-        DOT_DTYPE=dot_dtype(q, k, v),
+        DOT_DTYPE=dot_dtype(q, k, v), STATE_DOT_DTYPE=state_dot_dtype(q, k, v),
     )
     return out
 

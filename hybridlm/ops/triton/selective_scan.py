@@ -4,7 +4,8 @@ One program owns a block of channels of one batch row, holds their ``[channels, 
 sequence chunk by chunk. Inside a chunk all steps are scanned at once (``tl.associative_scan`` of the linear
 recurrence ``h = a h + b``), then the chunk's entering state is added back weighted by the cumulative decay.
 The forward saves the state entering each chunk; the backward walks the chunks in reverse, recomputes the
-chunk's states from it, and scans the adjoint ``dh[t] = C[t] dy[t] + exp(dt[t+1] A) dh[t+1]`` the same way.
+chunk's states from it, and scans the adjoint ``dh[t] = C[t] dy[t] + exp(dt[t+1] A) dh[t+1]`` the same way
+(a forward scan of the time-reversed chunk: no reversed ``associative_scan``). Offsets are 64-bit.
 
 Fused in the kernels: ``delta_bias``, softplus, the skip ``D u``, the gate ``silu(z)`` and all their gradients.
 Plain torch: summing the per-row partial gradients of ``A``, ``D`` and ``delta_bias`` over the batch. ``dB`` and
@@ -18,7 +19,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block, cdiv, check_device, launch, new_buffer, sigmoid, silu, silu_grad, softplus, total
+from ._common import (
+    block,
+    cdiv,
+    check_device,
+    flip_rows,
+    launch,
+    new_buffer,
+    program_id64,
+    sigmoid,
+    silu,
+    silu_grad,
+    softplus,
+    total,
+)
 
 _CHUNK = 16
 _TILE_ELEMENTS = 2048  # chunk x channels x dstate held by one program (untuned)
@@ -67,9 +81,9 @@ def _scan_fwd_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b, pd = tl.program_id(0), tl.program_id(1)
+    b, pd = program_id64(0), program_id64(1)
     offs_d = pd * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < dstate
     group = pd * BLOCK_D // per_group
     state_offs = (b * dim + offs_d[:, None]) * dstate + offs_n[None, :]
@@ -86,7 +100,7 @@ def _scan_fwd_kernel(
     for ci in range(0, n_chunks):
         tl.store(STATES + ((b * n_chunks + ci) * dim + offs_d[:, None]) * dstate + offs_n[None, :], h,
                  mask=mask_n[None, :])
-        offs_t = ci * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_t = (ci * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
         mask_t = offs_t < time
         mask = mask_t[:, None] & (offs_d[None, :] < dim)
         u = tl.load(U + offs_t[:, None] * su_t + offs_d[None, :] * su_d, mask=mask, other=0.0).to(tl.float32)
@@ -114,13 +128,13 @@ def _scan_bwd_kernel(
     su_b, su_d, su_t, sdt_b, sdt_d, sdt_t, sb_b, sb_g, sb_n, sb_t, sc_b, sc_g, sc_n, sc_t, sz_b, sz_d, sz_t,
     so_b, so_d, so_t,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, LOG2_T: tl.constexpr,
 ):
     """Gradients of one channel block of one batch row; ``dB, dC`` are added atomically, ``dA, dD, dbias``
     written per batch row."""
-    b, pd = tl.program_id(0), tl.program_id(1)
+    b, pd = program_id64(0), program_id64(1)
     offs_d = pd * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     mask_n = offs_n < dstate
     group = pd * BLOCK_D // per_group
     state_offs = (b * dim + offs_d[:, None]) * dstate + offs_n[None, :]
@@ -140,7 +154,7 @@ def _scan_bwd_kernel(
     n_chunks = cdiv(time, BLOCK_T)
     for i in range(0, n_chunks):
         ci = n_chunks - 1 - i
-        offs_t = ci * BLOCK_T + rows
+        offs_t = (ci * BLOCK_T + rows).to(tl.int64)
         mask_t = offs_t < time
         mask = mask_t[:, None] & (offs_d[None, :] < dim)
         mask_tn = mask_t[:, None] & mask_n[None, :]
@@ -166,9 +180,11 @@ def _scan_bwd_kernel(
         next_mask = mask & (offs_t[:, None] + 1 < time) & (rows[:, None] < BLOCK_T - 1)
         dt_next, _ = _load_dt(DELTA, BIAS, offs_t + 1, offs_d, next_mask, sdt_d, sdt_t, HAS_BIAS, SOFTPLUS)
         a_next = tl.exp(dt_next[:, :, None] * A_tile[None, :, :])
-        decay, local = tl.associative_scan((a_next, Ct[:, None, :] * dy[:, :, None]), 0, _linear_recurrence,
-                                           reverse=True)
-        dh = local + decay * carry[None, :, :]
+        # scanned backwards in time as a forward scan between flips (see flip_rows); dh: [chunk, channels, dstate]
+        decay, local = tl.associative_scan(
+            (flip_rows(a_next, BLOCK_T, LOG2_T, BLOCK_D, BLOCK_N),
+             flip_rows(Ct[:, None, :] * dy[:, :, None], BLOCK_T, LOG2_T, BLOCK_D, BLOCK_N)), 0, _linear_recurrence)
+        dh = flip_rows(local + decay * carry[None, :, :], BLOCK_T, LOG2_T, BLOCK_D, BLOCK_N)
 
         before = hs - drive  # exp(dt A) h[t-1]
         ddt = tl.where(mask, total(dh * (A_tile[None, :, :] * before + Bt[:, None, :] * u[:, :, None]), 2), 0.0)
@@ -253,7 +269,7 @@ class _SelectiveScan(torch.autograd.Function):
             d_final.contiguous(), du, d_delta, _dummy(dz, du), dB, dC, dA, dD, d_bias, d_init,
             time, dim, per_group, dstate, n_groups,
             *u.stride(), *delta.stride(), *B.stride(), *C.stride(), *_dummy(z, u).stride(), *dy.stride(),
-            **ctx.flags, **ctx.blocks,
+            **ctx.flags, **ctx.blocks, LOG2_T=ctx.blocks["BLOCK_T"].bit_length() - 1,
         )
         return (
             du.to(u.dtype), d_delta.to(delta.dtype), dA.sum(0).to(A.dtype), dB.to(B.dtype), dC.to(C.dtype),

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block, check_device, launch, new_buffer, silu, softplus, total
+from ._common import block, check_device, launch, new_buffer, program_id64, silu, softplus, total
 
 
 @triton.jit
@@ -23,7 +23,7 @@ def _state_update_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    b, h, pb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b, h, pb = program_id64(0), program_id64(1), program_id64(2)
     group = h // heads_per_group
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
