@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import json
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -33,8 +32,8 @@ from collections.abc import Iterator
 import torch
 
 from .cache import HybridCache, KVLayout, KVState, LayerState, StateGroup
+from .prefix_cache_files import load_snapshots, policy_from_json, policy_json, read_header, save_snapshots
 
-_METADATA_KEY = "hybridlm_prefix_cache"
 _SAMPLED_VALUES = 1024  # per weight tensor, in the model fingerprint
 
 
@@ -83,14 +82,14 @@ class PrefixCache:
         """Check that this cache can serve ``model`` under ``cache_policy`` (the first call fixes both): the same
         layer kinds and state shapes (``HybridCache.signature``), the same weights (a fingerprint) and policy, a
         state that can be snapshotted, and a budget that holds one block's snapshot."""
-        if self._model is not None and self._model() is model and self._identity["policy"] == _policy_json(
+        if self._model is not None and self._model() is model and self._identity["policy"] == policy_json(
                 cache_policy):
             return
         probe = model.new_cache(1, policy=cache_policy)
         for state in probe.states:
             _check_snapshottable(state)
         identity = {"signature": repr(probe.signature), "fingerprint": weights_fingerprint(model),
-                    "policy": _policy_json(cache_policy)}
+                    "policy": policy_json(cache_policy)}
         if self._identity is not None:
             _check_same_model(self._identity, identity)
         one_block = _predicted_nbytes(probe, self.block_size)
@@ -137,9 +136,6 @@ class PrefixCache:
         if mask is not None and not bool(mask.all()):
             raise ValueError("prefix_cache: prompts of different lengths (left-padded rows) are not supported; "
                              "pass prompts of one length, or one prompt per call")
-        if cache.seen:
-            raise ValueError("prefix_cache: prefill starts from an empty cache (use a decoder without prefix_cache "
-                             "to continue a cache)")
         length = ids.shape[1]
         keys = [self.block_keys(row) for row in ids]
         hit = self._common_hit(keys, (length - 1) // self.block_size)
@@ -155,21 +151,20 @@ class PrefixCache:
         return cache, logits[:, -1]
 
     def _restore(self, cache: HybridCache, keys: list[str]) -> None:
-        """Load the snapshots of ``keys`` (one per row) into ``cache``, keeping its preallocated KV room."""
+        """Load the snapshots of ``keys`` (one per row) into ``cache``, into its own buffers where they fit."""
         for key in keys:
             self._entries.move_to_end(key)
         rows = [self._entries[key].snapshot for key in keys]
         snapshot = rows[0] if len(rows) == 1 else _concat_rows(rows)
-        fresh = cache.states
-        cache.restore(snapshot)  # a copy: the stored snapshot stays as it was
-        cache.states = [_with_room(state, empty) for state, empty in zip(cache.states, fresh)]
+        cache.states = [_into_buffers(state, empty) for state, empty in zip(snapshot.states, cache.states)]
+        cache.positions.copy_(snapshot.positions)
+        cache.seen = snapshot.seen
 
     def _store(self, cache: HybridCache, keys: list[str], blocks: int) -> None:
         """Snapshot each row of ``cache`` (``blocks`` blocks seen) under its key, unless already stored."""
         missing = [row for row, key in enumerate(keys) if key not in self._entries]
-        for row, key in enumerate(keys):
-            if row not in missing:
-                self._entries.move_to_end(key)
+        for key in set(keys) & self._entries.keys():
+            self._entries.move_to_end(key)
         if not missing:
             return
         compact = _compact(cache)
@@ -194,42 +189,20 @@ class PrefixCache:
         into its metadata as JSON (nothing is pickled)."""
         if self._identity is None:
             raise ValueError("PrefixCache.save: the cache has not served a model yet (nothing to save)")
-        from safetensors.torch import save_file
-
-        tensors: dict[str, torch.Tensor] = {}
-        entries = []
-        for index, (key, entry) in enumerate(self._entries.items()):
-            states = [_state_meta(state, f"{index}.{layer}", tensors) for layer, state in
-                      enumerate(entry.snapshot.states)]
-            tensors[f"{index}.positions"] = entry.snapshot.positions.cpu()
-            entries.append({"key": key, "blocks": entry.blocks, "seen": entry.snapshot.seen, "states": states})
-        header = {"block_size": self.block_size, "max_bytes": self.max_bytes, **self._identity, "entries": entries}
-        save_file(tensors, str(path), metadata={_METADATA_KEY: json.dumps(header)})
+        header = {"block_size": self.block_size, "max_bytes": self.max_bytes, **self._identity}
+        save_snapshots(path, header, [(key, entry.blocks, entry.snapshot) for key, entry in self._entries.items()])
 
     @classmethod
     def load(cls, path, model, max_bytes: int | None = None) -> PrefixCache:
         """A cache saved by :meth:`save`, for ``model`` (it must be the model the snapshots were taken from:
         same layer kinds, state shapes and weights); ``max_bytes`` replaces the saved budget."""
-        from safetensors import safe_open
-        from safetensors.torch import load_file
-
-        with safe_open(str(path), framework="pt") as file:
-            metadata = file.metadata() or {}
-        if _METADATA_KEY not in metadata:
-            raise ValueError(f"PrefixCache.load: {path} is not a hybridlm prefix cache (no {_METADATA_KEY!r} metadata)")
-        header = json.loads(metadata[_METADATA_KEY])
+        header = read_header(path)
         cache = cls(header["block_size"], header["max_bytes"] if max_bytes is None else max_bytes)
         cache._identity = {name: header[name] for name in ("signature", "fingerprint", "policy")}
-        policy = _policy_from_json(header["policy"])
+        policy = policy_from_json(header["policy"])
         cache.bind(model, policy)
-        template = model.new_cache(1, policy=policy)
-        tensors = load_file(str(path), device=str(template.positions.device))
-        for index, item in enumerate(header["entries"]):
-            snapshot = copy.copy(template)
-            snapshot.states = [_state_from_meta(empty, meta, f"{index}.{layer}", tensors) for layer, (empty, meta) in
-                               enumerate(zip(template.states, item["states"], strict=True))]
-            snapshot.positions, snapshot.seen = tensors[f"{index}.positions"], item["seen"]
-            cache._entries[item["key"]] = _Entry(snapshot, item["blocks"], snapshot.reserved_nbytes())
+        for key, blocks, snapshot in load_snapshots(path, header, model.new_cache(1, policy=policy)):
+            cache._entries[key] = _Entry(snapshot, blocks, snapshot.reserved_nbytes())
         cache._evict()
         return cache
 
@@ -279,40 +252,32 @@ def _check_same_model(stored: dict, current: dict) -> None:
                          f"decoder uses cache_policy={current['policy']}")
 
 
-def _policy_json(policy) -> dict | None:
-    """A cache policy (None, a CachePolicy, or ``{state index: CachePolicy}``) as JSON-able data."""
-    if policy is None:
-        return None
-    if isinstance(policy, dict):
-        return {"per_state": {str(index): dataclasses.asdict(p) for index, p in sorted(policy.items())}}
-    return {"all": dataclasses.asdict(policy)}
-
-
-def _policy_from_json(data: dict | None):
-    from .kv.policy import CachePolicy
-
-    if data is None:
-        return None
-    if "all" in data:
-        return CachePolicy(**data["all"])
-    return {int(index): CachePolicy(**fields) for index, fields in data["per_state"].items()}
-
-
 def _parts(state: LayerState) -> list[LayerState]:
     return list(state.parts.values()) if isinstance(state, StateGroup) else [state]
 
 
+_PLAIN = (torch.Tensor, bool, int, float, str, type(None))
+
+
 def _check_snapshottable(state: LayerState) -> None:
-    """A snapshot clones tensor fields and copies the rest: refuse a state with anything else in a field (a
-    shared page pool, say), which a snapshot would alias."""
+    """A snapshot clones tensor fields, copies plain values and resets other fields that have a default (a
+    rollback history: a snapshot is a point to continue from, not to roll back from). Refuse a state with any
+    other field (a page pool's host-side tables, say), which a snapshot could not copy faithfully."""
     for part in _parts(state):
         if not dataclasses.is_dataclass(part):
             raise ValueError(f"prefix_cache: the state type {type(part).__name__} cannot be snapshotted")
         for field in dataclasses.fields(part):
             value = getattr(part, field.name)
-            if not isinstance(value, (torch.Tensor, bool, int, float, str, type(None))):
+            if not isinstance(value, _PLAIN) and field.default is dataclasses.MISSING:
                 raise ValueError(f"prefix_cache: the state type {type(part).__name__} cannot be snapshotted (its "
                                  f"field {field.name!r} holds a {type(value).__name__}, not a tensor)")
+
+
+def _without_transients(state: LayerState) -> LayerState:
+    """``state`` with every field that holds neither a tensor nor a plain value reset to its default."""
+    resets = {field.name: field.default for field in dataclasses.fields(state)
+              if not isinstance(getattr(state, field.name), _PLAIN)}
+    return dataclasses.replace(state, **resets) if resets else state
 
 
 def _predicted_nbytes(probe: HybridCache, tokens: int) -> int:
@@ -339,22 +304,38 @@ def _compact(cache: HybridCache) -> HybridCache:
 def _trimmed_copy(state: LayerState) -> LayerState:
     if isinstance(state, StateGroup):
         return StateGroup({name: _trimmed_copy(part) for name, part in state.parts.items()})
-    if type(state) is KVState:
-        return dataclasses.replace(state, keys=state.keys[:, :, :state.length].clone(),
-                                   values=state.values[:, :, :state.length].clone(), padding=state.padding.clone())
+    state = _without_transients(state)
+    if isinstance(state, KVState):  # the tokens seen, not the room reserved for later ones
+        state = dataclasses.replace(state, keys=state.keys[:, :, :state.length],
+                                    values=state.values[:, :, :state.length])
     return state.clone()
 
 
-def _with_room(state: LayerState, empty: LayerState) -> LayerState:
-    """``state`` (restored, trimmed) copied into the preallocated buffers of ``empty`` where it has more room."""
+def _into_buffers(state: LayerState, empty: LayerState) -> LayerState:
+    """A copy of ``state`` (a snapshot's) written into the tensors of ``empty`` (the fresh cache's) where they
+    fit: the same shape, or a contiguous KV buffer with more room. Keeps the preallocated KV room and the tensors
+    a static decode step may hold on to; a tensor that fits nowhere is cloned."""
     if isinstance(state, StateGroup):
-        return StateGroup({name: _with_room(part, empty.parts[name]) for name, part in state.parts.items()})
-    if type(state) is KVState and type(empty) is KVState and empty.keys.shape[2] > state.length:
-        keys, values = empty.keys, empty.values
-        keys[:, :, :state.length], values[:, :, :state.length] = state.keys[:, :, :state.length], \
-            state.values[:, :, :state.length]
-        return dataclasses.replace(state, keys=keys, values=values)
-    return state
+        return StateGroup({name: _into_buffers(part, empty.parts[name]) for name, part in state.parts.items()})
+    if type(state) is not type(empty):
+        raise ValueError(f"prefix_cache: a snapshot holds a {type(state).__name__} where this decoder's cache holds "
+                         f"a {type(empty).__name__} (caches made another way, e.g. static); use one PrefixCache per "
+                         "kind of cache")
+    room = isinstance(state, KVState) and empty.keys.shape[2] >= state.length
+    changes = {}
+    for field in dataclasses.fields(state):
+        value, buffer = getattr(state, field.name), getattr(empty, field.name)
+        if not isinstance(value, torch.Tensor):
+            continue
+        fits = isinstance(buffer, torch.Tensor) and buffer.dtype == value.dtype
+        if fits and buffer.shape == value.shape:
+            changes[field.name] = buffer.copy_(value)
+        elif fits and room and field.name in ("keys", "values"):
+            buffer[:, :, :state.length] = value[:, :, :state.length]
+            changes[field.name] = buffer
+        else:
+            changes[field.name] = value.clone()
+    return dataclasses.replace(state, **changes)
 
 
 def _concat_rows(rows: list[HybridCache]) -> HybridCache:
@@ -374,29 +355,3 @@ def _concat_states(states: list[LayerState]) -> LayerState:
     return dataclasses.replace(first, **tensors)
 
 
-def _state_meta(state: LayerState, prefix: str, tensors: dict[str, torch.Tensor]) -> dict:
-    """JSON metadata of ``state``; its tensors go into ``tensors`` under ``prefix.field``."""
-    if isinstance(state, StateGroup):
-        return {"type": "StateGroup", "parts": {name: _state_meta(part, f"{prefix}.{name}", tensors)
-                                                for name, part in state.parts.items()}}
-    fields = {}
-    for field in dataclasses.fields(state):
-        value = getattr(state, field.name)
-        if isinstance(value, torch.Tensor):
-            tensors[f"{prefix}.{field.name}"] = value.detach().to("cpu").contiguous()
-        else:
-            fields[field.name] = value
-    return {"type": type(state).__name__, "fields": fields}
-
-
-def _state_from_meta(empty: LayerState, meta: dict, prefix: str, tensors: dict[str, torch.Tensor]) -> LayerState:
-    """The state :func:`_state_meta` described, rebuilt on ``empty`` (the model's own empty state of that layer)."""
-    if meta["type"] != type(empty).__name__:
-        raise ValueError(f"PrefixCache.load: state {prefix} is a {meta['type']} in the file, a "
-                         f"{type(empty).__name__} in this model's cache")
-    if isinstance(empty, StateGroup):
-        return StateGroup({name: _state_from_meta(part, meta["parts"][name], f"{prefix}.{name}", tensors)
-                           for name, part in empty.parts.items()})
-    values = {field.name: tensors[f"{prefix}.{field.name}"] if isinstance(getattr(empty, field.name), torch.Tensor)
-              else meta["fields"][field.name] for field in dataclasses.fields(empty)}
-    return dataclasses.replace(empty, **values)
