@@ -19,7 +19,7 @@ import math
 
 from transformers import GenerationConfig, PreTrainedConfig
 
-from .config_rules import check_dtype, check_field, field_hints
+from .config_rules import check_dtype, check_field, check_router, field_hints
 from .mixers import MIXERS, Mixer, invalid_config, mixer_class, mixer_parts, pattern_letters
 from .shared_blocks import SharedBlock
 
@@ -147,6 +147,14 @@ class HybridConfig(PreTrainedConfig):
     deltanet_norm_eps: float | None = None  # eps of the gated output norm; None: rms_norm_eps
     short_conv_size: int = 3
     short_conv_bias: bool = False
+
+    # --- multi-head latent attention (MLA: DeepSeek-V2/V3, Kimi Linear) ------------------------
+    mla_kv_lora_rank: int = 512  # width of the cached KV latent
+    mla_q_lora_rank: int | None = None  # None: a full-rank q_proj
+    mla_qk_nope_head_dim: int = 128
+    mla_qk_rope_head_dim: int = 64  # the decoupled part, one key shared by all heads
+    mla_v_head_dim: int = 128
+    mla_rope: bool = True  # RoPE on the decoupled part (Kimi Linear: none)
 
     # --- MLP / MoE --------------------------------------------------------------------------
     intermediate_size: int | None = None
@@ -318,23 +326,11 @@ class HybridConfig(PreTrainedConfig):
                 _fail(name, getattr(self, name), f"allowed: {allowed}")
         if self.num_experts_per_tok > self.num_experts:
             _fail("num_experts_per_tok", self.num_experts_per_tok, f"must be <= num_experts={self.num_experts}")
-        self._check_router()
+        check_router(self)
         self._check_shared_blocks()
         n = self.num_hidden_layers
         if self.post_norm_layers is not None and not all(0 <= i < n for i in self.post_norm_layers):
             _fail("post_norm_layers", self.post_norm_layers, f"must be layer indices in [0, {n})")
-
-    def _check_router(self) -> None:
-        groups, chosen = self.moe_num_groups, self.moe_topk_groups
-        if self.num_experts % groups:
-            _fail("moe_num_groups", groups, f"must divide num_experts={self.num_experts}")
-        if groups > 1 and (self.moe_router != "sigmoid" or self.num_experts // groups < 2):
-            _fail("moe_num_groups", groups, "groups need moe_router='sigmoid' and at least 2 experts per group")
-        if chosen > groups:
-            _fail("moe_topk_groups", chosen, f"must be in [1, moe_num_groups={groups}]")
-        if self.num_experts_per_tok > chosen * (self.num_experts // groups):
-            _fail("num_experts_per_tok", self.num_experts_per_tok,
-                  f"exceeds the experts in the {chosen} eligible group(s)")
 
     def _check_shared_blocks(self) -> None:
         layers = self.shared_block_layers

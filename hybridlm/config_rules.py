@@ -42,11 +42,13 @@ _RULES = {
         "moe_intermediate_size", "moe_num_groups", "moe_topk_groups", "moe_routed_scaling", "embedding_multiplier",
         "residual_multiplier", "logits_multiplier", "num_shared_blocks", "deltanet_num_key_heads",
         "deltanet_num_value_heads", "deltanet_key_head_dim", "deltanet_value_head_dim", "deltanet_conv_size",
-        "deltanet_chunk_size", "short_conv_size", "deltanet_beta_scale",
+        "deltanet_chunk_size", "short_conv_size", "deltanet_beta_scale", "mla_kv_lora_rank", "mla_q_lora_rank",
+        "mla_v_head_dim",
     )),
     _non_negative: ("must be >= 0", (
         "attn_layer_offset", "expert_layer_offset", "initializer_range", "router_aux_loss_coef",
         "shared_expert_intermediate_size", "shared_block_adapter_rank", "pad_token_id", "bos_token_id",
+        "mla_qk_nope_head_dim", "mla_qk_rope_head_dim",
     )),
     _open_unit: ("must be in (0, 1)", ("rms_norm_eps", "mamba_dt_norm_eps", "deltanet_norm_eps")),
     _closed_unit: ("must be in [0, 1]", ("partial_rotary_factor",)),
@@ -112,3 +114,18 @@ def check_dtype(value) -> None:
         return
     if not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
         raise invalid_config("dtype", value, "must be None, a torch.dtype or its name ('float32', 'bfloat16', ...)")
+
+
+def check_router(config) -> None:
+    """The MoE router's expert groups against the experts and the experts chosen per token."""
+    groups, chosen = config.moe_num_groups, config.moe_topk_groups
+    if config.num_experts % groups:
+        raise invalid_config("moe_num_groups", groups, f"must divide num_experts={config.num_experts}")
+    if groups > 1 and (config.moe_router != "sigmoid" or config.num_experts // groups < 2):
+        raise invalid_config("moe_num_groups", groups, "groups need moe_router='sigmoid' and at least 2 experts per "
+                             "group")
+    if chosen > groups:
+        raise invalid_config("moe_topk_groups", chosen, f"must be in [1, moe_num_groups={groups}]")
+    if config.num_experts_per_tok > chosen * (config.num_experts // groups):
+        raise invalid_config("num_experts_per_tok", config.num_experts_per_tok,
+                             f"exceeds the experts in the {chosen} eligible group(s)")

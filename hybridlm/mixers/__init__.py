@@ -3,9 +3,11 @@
 from . import (  # noqa: F401  (each registers itself)
     attention,
     gated_deltanet,
+    kda,
     linformer,
     mamba,
     mamba2,
+    mla,
     performer,
     short_conv,
 )

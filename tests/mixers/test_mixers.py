@@ -99,12 +99,14 @@ def expected_nbytes(kind, config, batch, tokens, element=4):
         return batch * 4 * config.num_attention_heads * ((config.head_dim + 1) * config.performer_num_features + 1)
     if kind == "linformer":
         return batch * (4 * 2 * config.num_attention_heads * config.linformer_rank * config.head_dim + 8)
-    if kind == "gated_deltanet":
+    if kind in ("gated_deltanet", "kda"):  # the same state layout
         keys, values = config.deltanet_num_key_heads * config.deltanet_key_head_dim, \
             config.deltanet_num_value_heads * config.deltanet_value_head_dim
         return batch * ((2 * keys + values) * (config.deltanet_conv_size - 1) * element
                         + 4 * config.deltanet_num_value_heads * config.deltanet_key_head_dim
                         * config.deltanet_value_head_dim)
+    if kind == "mla":  # one latent per token: kv_lora_rank + rope dims
+        return batch * (tokens * (config.mla_kv_lora_rank + config.mla_qk_rope_head_dim) * element + 8)
     if kind == "short_conv":
         return batch * config.hidden_size * (config.short_conv_size - 1) * element
     raise AssertionError(kind)
