@@ -49,7 +49,8 @@ class LatentAttention(Mixer):
         super().__init__()
         hidden, bias = config.hidden_size, config.attention_bias
         self.heads, self.rank = config.num_attention_heads, config.mla_kv_lora_rank
-        self.nope, self.rope, self.v_dim = config.mla_qk_nope_head_dim, config.mla_qk_rope_head_dim, config.mla_v_head_dim
+        self.nope, self.rope = config.mla_qk_nope_head_dim, config.mla_qk_rope_head_dim
+        self.v_dim = config.mla_v_head_dim
         self.scale = config.attention_scale
         qk_dim = self.heads * (self.nope + self.rope)
         if config.mla_q_lora_rank is None:
