@@ -86,9 +86,16 @@ class LayerState:
 
     # --- rollback (hybridlm.rollback) -----------------------------------------------------------
 
+    #: whether the kind can roll back at all (how far it can is :meth:`rewind_blocker`'s answer)
+    croppable: ClassVar[bool] = False
+
     def rewind_blocker(self, tokens: int) -> str | None:
         """Why this state cannot undo its last ``tokens`` token slots (None: it can)."""
-        return "a recurrent state keeps no checkpoints yet"
+        return f"{type(self).__name__} cannot roll back"
+
+    def keep_checkpoints(self, tokens: int) -> None:
+        """Keep what undoing up to ``tokens`` token slots needs, across forwards (0: only what a forward of up to
+        ``AUTO_CHECKPOINT_TOKENS`` tokens keeps on its own); see :meth:`HybridCache.keep_checkpoints`."""
 
     def rewind(self, tokens: int) -> None:
         """Undo the last ``tokens`` token slots in place (only after :meth:`rewind_blocker` returned None)."""
@@ -255,6 +262,8 @@ class KVState(DenseKV):
         self.length += new
         return self.keys[:, :, : self.length], self.values[:, :, : self.length]
 
+    croppable = True
+
     def rewind_blocker(self, tokens: int) -> str | None:
         return None if tokens <= self.length else f"it holds only {self.length} slots"
 
@@ -272,7 +281,46 @@ class KVState(DenseKV):
 
 
 @dataclasses.dataclass
-class SSMState(LayerState):
+class RecurrentState(LayerState):
+    """A fixed-size state that every token updates (an SSM, a conv window, linear-attention sums). It rolls back
+    to kept checkpoints (:class:`~hybridlm.rollback.StateHistory`): its mixer calls :meth:`checkpointing` before
+    a forward updates it and, when that says so, :meth:`keep_states` after."""
+
+    history: rollback.StateHistory | None = dataclasses.field(default=None, kw_only=True, repr=False)
+    checkpoint_limit: int = dataclasses.field(default=0, kw_only=True)  # tokens kept across forwards (0: none)
+    warm: bool = dataclasses.field(default=False, kw_only=True)  # a forward has run through it
+    croppable = True
+
+    def _replace(self, fn) -> RecurrentState:
+        new = super()._replace(fn)
+        new.history = self.history.map(fn) if self.history is not None else None
+        return new
+
+    def reserved_nbytes(self) -> int:
+        return self.nbytes() + (self.history.nbytes() if self.history is not None else 0)
+
+    def checkpointing(self, time: int) -> bool:
+        """Whether a forward of ``time`` tokens keeps the state after each token (see :mod:`hybridlm.rollback`)."""
+        return rollback.start_forward(self, time)
+
+    def keep_states(self, **per_token: torch.Tensor) -> None:
+        """The states after each token of the forward, ``[batch, time, ...]`` per tensor field (the last entry is
+        taken from the state itself, so a crop to the end of a forward gives exactly its final state)."""
+        rollback.keep_states(self, per_token)
+
+    def keep_checkpoints(self, tokens: int) -> None:
+        self.checkpoint_limit, self.history = tokens, None
+
+    def rewind_blocker(self, tokens: int) -> str | None:
+        return rollback.recurrent_blocker(self, tokens)
+
+    def rewind(self, tokens: int) -> None:
+        for name, value in self.history.rewind(tokens).items():
+            getattr(self, name).copy_(value)
+
+
+@dataclasses.dataclass
+class SSMState(RecurrentState):
     """Mamba / Mamba-2: the causal-conv window ``conv [batch, channels, width - 1]`` (model dtype) and the
     recurrent state ``ssm`` (fp32): ``[batch, d_inner, dstate]`` (Mamba-1) or ``[batch, heads, head_dim,
     dstate]`` (Mamba-2)."""
@@ -282,7 +330,7 @@ class SSMState(LayerState):
 
 
 @dataclasses.dataclass
-class LinearAttentionState(LayerState):
+class LinearAttentionState(RecurrentState):
     """Performer: the running sum ``kv [batch, heads, head_dim + 1, features]`` (fp32) of ``[v, 1] (outer)
     phi(k)`` (the last row is the normaliser), kept scaled by ``exp(-max)``, where ``max [batch, heads]`` is
     the largest key log-feature seen so far (-inf before the first real key), so that it cannot overflow."""
@@ -292,7 +340,7 @@ class LinearAttentionState(LayerState):
 
 
 @dataclasses.dataclass
-class CompressedKVState(LayerState):
+class CompressedKVState(RecurrentState):
     """Causal Linformer: the compressed ``keys, values [batch, heads, rank, head_dim]`` (fp32 sums), ``tokens
     [batch]`` (int64: the real tokens summed into them, what the mean form divides by), and the number of token
     slots seen (the default position of the next token)."""
@@ -301,6 +349,10 @@ class CompressedKVState(LayerState):
     values: torch.Tensor
     tokens: torch.Tensor
     seen: int = 0
+
+    def rewind(self, tokens: int) -> None:
+        super().rewind(tokens)
+        self.seen -= tokens
 
     @property
     def fixed_step(self) -> bool:
@@ -342,6 +394,10 @@ class StateGroup(LayerState):
         for part in self.parts.values():
             part.advance(tokens)
 
+    @property
+    def croppable(self) -> bool:
+        return all(part.croppable for part in self.parts.values())
+
     def rewind_blocker(self, tokens: int) -> str | None:
         reasons = [f"{name}: {reason}" for name, part in self.parts.items()
                    if (reason := part.rewind_blocker(tokens)) is not None]
@@ -350,6 +406,10 @@ class StateGroup(LayerState):
     def rewind(self, tokens: int) -> None:
         for part in self.parts.values():
             part.rewind(tokens)
+
+    def keep_checkpoints(self, tokens: int) -> None:
+        for part in self.parts.values():
+            part.keep_checkpoints(tokens)
 
 
 class HybridCache:
@@ -465,6 +525,26 @@ class HybridCache:
         convention, so ``crop(0)`` changes nothing); see :mod:`hybridlm.rollback`. ValueError, leaving the cache
         unchanged, past the start, beyond the slots seen, or where a state kept nothing to roll back to."""
         rollback.crop(self, length)
+
+    def keep_checkpoints(self, tokens: int = rollback.AUTO_CHECKPOINT_TOKENS) -> None:
+        """Keep, across forwards (one-token decode steps included), what undoing up to ``tokens`` token slots
+        needs: each recurrent state's value after each of its last ``tokens`` tokens, the slots a window
+        layout overwrote. Memory shows in :meth:`reserved_nbytes`; 0 turns it off (the default: only a forward
+        of 2 to 64 tokens keeps its per-token states, until the next forward)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise ValueError(f"HybridCache.keep_checkpoints(tokens={tokens!r}): tokens must be an int >= 0")
+        for state in self.states:
+            state.keep_checkpoints(tokens)
+
+    def activate_past_recording(self) -> None:
+        """transformers' name for :meth:`keep_checkpoints` (assisted generation calls it): the last 64 tokens."""
+        self.keep_checkpoints()
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether every state can roll back at all (H2O's heavy hitters cannot); how far is :meth:`crop`'s
+        business."""
+        return all(state.croppable for state in self.states)
 
     def __repr__(self) -> str:
         kinds = ", ".join(f"{k}: {v:,} B" for k, v in self.nbytes_by_kind().items())

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from .cache import HybridCache
 
@@ -47,3 +49,90 @@ def crop(cache: HybridCache, length: int) -> None:
     cache.seen -= remove
     # positions count real tokens; the removed slots are the last ones, and padding only precedes real tokens
     cache.positions.sub_(remove).clamp_(min=0)
+
+
+#: A forward of up to this many tokens keeps its per-token states without being asked (what transformers'
+#: verification step sends); ``HybridCache.keep_checkpoints(n)`` keeps them across forwards instead.
+AUTO_CHECKPOINT_TOKENS = 64
+
+
+class StateHistory:
+    """A recurrent state's values at its last token boundaries: a ring of ``capacity`` entries per tensor field,
+    ``buffers[name] [batch, capacity, ...]``. The newest entry is the state as it is now; ``count - 1`` tokens
+    can be undone. Writing ``n`` entries copies ``n`` states (never the whole ring)."""
+
+    def __init__(self, buffers: dict[str, torch.Tensor], count: int = 0, newest: int = -1):
+        self.buffers, self.count, self.newest = buffers, count, newest
+
+    @classmethod
+    def starting_at(cls, tensors: dict[str, torch.Tensor], capacity: int) -> StateHistory:
+        """A history of ``capacity`` entries whose first entry is ``tensors`` (a copy of the state now)."""
+        history = cls({name: t.new_empty(t.shape[0], capacity, *t.shape[1:]) for name, t in tensors.items()})
+        history.push({name: t.unsqueeze(1) for name, t in tensors.items()})
+        return history
+
+    @property
+    def capacity(self) -> int:
+        return next(iter(self.buffers.values())).shape[1]
+
+    def push(self, entries: dict[str, torch.Tensor]) -> None:
+        """Append ``entries[name] [batch, n, ...]`` (oldest first); only the last ``capacity`` stay."""
+        n = next(iter(entries.values())).shape[1]
+        if n == 0:
+            return
+        kept = min(n, self.capacity)
+        index = torch.arange(self.newest + 1 + n - kept, self.newest + 1 + n) % self.capacity
+        for name, buffer in self.buffers.items():
+            buffer.index_copy_(1, index.to(buffer.device), entries[name][:, n - kept:].to(buffer.dtype))
+        self.newest = (self.newest + n) % self.capacity
+        self.count = min(self.count + n, self.capacity)
+
+    def rewind(self, tokens: int) -> dict[str, torch.Tensor]:
+        """Drop the last ``tokens`` entries (``tokens < count``); returns the entry that is newest now."""
+        self.newest = (self.newest - tokens) % self.capacity
+        self.count -= tokens
+        return {name: buffer[:, self.newest] for name, buffer in self.buffers.items()}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers.values())
+
+    def map(self, fn) -> StateHistory:
+        """The same history with ``fn`` applied to every buffer (row selection, clone, device move)."""
+        return StateHistory({name: fn(t) for name, t in self.buffers.items()}, self.count, self.newest)
+
+
+def start_forward(state, time: int) -> bool:
+    """Before a forward of ``time`` tokens updates a recurrent ``state``: whether it keeps the state after each
+    token. Asked (``checkpoint_limit > 0``): always, into a ring of ``checkpoint_limit + 1`` entries kept across
+    forwards. Otherwise only a forward of 2 to :data:`AUTO_CHECKPOINT_TOKENS` tokens on a warm state (one that a
+    forward ran through before: not a prefill), into a history of its own (the state before it and after each
+    of its tokens) that the next forward replaces; a one-token forward keeps nothing and costs nothing."""
+    warm, state.warm = state.warm, True
+    if state.checkpoint_limit:
+        if state.history is None:
+            state.history = StateHistory.starting_at(state._tensors(), state.checkpoint_limit + 1)
+        return True
+    if warm and 1 < time <= AUTO_CHECKPOINT_TOKENS:
+        state.history = StateHistory.starting_at(state._tensors(), time + 1)
+        return True
+    state.history = None
+    return False
+
+
+def keep_states(state, per_token: dict[str, torch.Tensor]) -> None:
+    """Append the states after each token (``[batch, time, ...]`` per field) to ``state.history``, the last one
+    taken from the state itself."""
+    current = state._tensors()
+    if current.keys() != per_token.keys():
+        raise ValueError(f"keep_states: {type(state).__name__} has fields {sorted(current)}, got {sorted(per_token)}")
+    state.history.push({name: t[:, :-1] for name, t in per_token.items()})
+    state.history.push({name: t.unsqueeze(1) for name, t in current.items()})
+
+
+def recurrent_blocker(state, tokens: int) -> str | None:
+    held = 0 if state.history is None else state.history.count - 1
+    if tokens <= held:
+        return None
+    return (f"that is before its earliest kept checkpoint ({held} token slots back; a forward of 2 to "
+            f"{AUTO_CHECKPOINT_TOKENS} tokens on a warm cache keeps one per token until the next forward, "
+            "HybridCache.keep_checkpoints(n) keeps the last n across forwards)")

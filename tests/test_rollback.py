@@ -65,12 +65,35 @@ def check_rollback(model, prompt, block, after, mask=None, rel=1e-5):
         assert_close_rel(run(model, after, cache, cont_mask), run(model, after, reference, cont_mask), rel)
 
 
+KINDS = ["attention", "mamba", "mamba2", "performer", "linformer", "gated_deltanet", "short_conv", "none",
+         "attention+mamba2", "mamba+performer", "gated_deltanet+short_conv"]
+
+
 @settings(max_examples=4, deadline=None)
 @given(layers=st.integers(1, 3), warm=st.integers(1, 9), k=st.integers(1, 8), seed=st.integers(0, 99))
 def test_attention_crop_equals_a_forward_that_stopped_there(layers, warm, k, seed):
     model = tiny_model(seed, layer_pattern="A" * layers)
     prompt, block, after = (random_ids(2, n, seed=seed + i) for i, n in enumerate((warm, k, 2)))
     check_rollback(model, prompt, block, after)
+
+
+@settings(max_examples=6, deadline=None)
+@given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3), moe=st.booleans(), warm=st.integers(1, 7),
+       k=st.integers(2, 9), seed=st.integers(0, 99))
+def test_every_kind_crops_to_any_token_of_a_block(kinds, moe, warm, k, seed):
+    """A warm cache takes a block of ``k`` tokens (no option asked: up to 64 tokens keep their states)."""
+    if all(kind == "none" for kind in kinds):
+        kinds = kinds + ["mamba"]
+    mlp = ["moe" if moe else "dense"] * len(kinds)
+    model = tiny_model(seed, layer_types=kinds, mlp_types=mlp)
+    prompt, block, after = (random_ids(2, n, seed=seed + i) for i, n in enumerate((warm, k, 3)))
+    check_rollback(model, prompt, block, after)
+
+
+def test_left_padded_rows_crop_exactly_for_every_kind():
+    model = tiny_model(layer_pattern="AMSPLDC")
+    mask = torch.tensor([[0, 0, 0, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    check_rollback(model, random_ids(2, 5), random_ids(2, 5, seed=1), random_ids(2, 2, seed=2), mask)
 
 
 def test_attention_crop_with_left_padding_and_into_the_padding():
@@ -116,3 +139,33 @@ def test_recurrent_crop_without_a_checkpoint_is_a_clear_error():
     with pytest.raises(ValueError, match=r"state 1 \(mamba\) cannot remove the last 2 token slots"):
         cache.crop(-2)
     assert_same_cache(cache, before, rel=0)
+
+
+def test_keep_checkpoints_spans_one_token_forwards_and_is_counted():
+    """A draft model decodes one token per forward and is then cropped back several: asked for, the states of
+    the last n tokens are kept across forwards (a ring), and their bytes show in reserved_nbytes."""
+    model = tiny_model(layer_pattern="AMSPLDC")
+    prompt, steps = random_ids(1, 5), random_ids(1, 7, seed=1)
+    plain = model.new_cache(1)
+    run(model, prompt, plain)
+    cache = model.new_cache(1)
+    run(model, prompt, cache)
+    cache.keep_checkpoints(4)
+    for i in range(7):
+        run(model, steps[:, i : i + 1], cache)
+        run(model, steps[:, i : i + 1], plain)
+    assert cache.nbytes() == plain.nbytes() and cache.reserved_nbytes() > plain.reserved_nbytes()
+    with pytest.raises(ValueError, match="before its earliest kept checkpoint"):
+        cache.crop(-5)  # beyond the ring of 4
+    for back in (3, 1):
+        reference = model.new_cache(1)
+        run(model, torch.cat([prompt, steps[:, : cache.seen - 5 - back]], 1), reference)
+        assert nonzero(reference)
+        cache.crop(-back)
+        assert_same_cache(cache, reference)
+        assert_close_rel(run(model, steps[:, :2], cache.snapshot()), run(model, steps[:, :2], reference))
+    with pytest.raises(ValueError, match="before its earliest kept checkpoint"):
+        cache.crop(-1)  # the ring held 4 tokens back and 4 were removed
+    run(model, steps[:, :3], cache)  # decoding on keeps states again
+    cache.crop(-3)
+    assert cache.seen == 8

@@ -18,6 +18,8 @@ from .. import ops
 from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import GatedRMSNorm, at_least_fp32
+from ..ops.causal_conv1d import causal_conv1d_windows
+from ..ops.delta_rule import gated_delta_rule_states
 from .base import Mixer, invalid_config, register, zero_padding
 from .segments import check_stateless
 
@@ -87,10 +89,12 @@ class GatedDeltaNet(Mixer):
             check_stateless("gated_deltanet", state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
+        track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)
         qkv, z = self.in_proj_qkvz(x).split([self.conv_dim, self.value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split([self.heads, self.heads], dim=-1)  # [batch, time, heads] each
-        qkv = self.conv1d(zero_padding(qkv, mask).transpose(1, 2), state.conv if state is not None else None,
-                          **packed)
+        conv_in = zero_padding(qkv, mask).transpose(1, 2)  # [batch, conv_dim, time]
+        windows = causal_conv1d_windows(conv_in, state.conv) if track else None
+        qkv = self.conv1d(conv_in, state.conv if state is not None else None, **packed)
         q, k, v = qkv.transpose(1, 2).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.view(batch, time, self.key_heads, self.dim_k))  # [batch, time, key_heads, dim_k]
         k = l2_normalize(k.view(batch, time, self.key_heads, self.dim_k))
@@ -102,11 +106,17 @@ class GatedDeltaNet(Mixer):
         if state is not None and time == 1:
             o = ops.gated_delta_rule_step(state.ssm, q[:, 0], k[:, 0], v[:, 0], log_gate[:, 0], beta[:, 0])
             o = o.unsqueeze(1)  # [batch, 1, heads, dim_v]
+            if track:
+                state.keep_states(conv=windows, ssm=state.ssm.unsqueeze(1))
         else:
             o, final = ops.gated_delta_rule(q, k, v, log_gate, beta, chunk_size=self.chunk_size,
                                             initial_state=state.ssm if state is not None else None, **packed)
+            if track:  # the reference's chunked WY form, whichever backend ran the forward
+                per_token = gated_delta_rule_states(k, v, log_gate, beta, state.ssm, self.chunk_size)
             if state is not None:
                 state.ssm.copy_(final)
+            if track:
+                state.keep_states(conv=windows, ssm=per_token)
         o = self.norm(o.to(x.dtype), z.view(batch, time, self.heads, self.dim_v))  # [batch, time, heads, dim_v]
         out = self.out_proj(o.reshape(batch, time, self.value_dim))  # [batch, time, hidden]
         return out if segments is None else segments.rows(out)

@@ -105,10 +105,16 @@ class Linformer(Mixer):
             initial_state=(state.keys, state.values) if state is not None else None, **packed,
         )  # out [b, h, t, d]
         if state is not None:
+            track = state.checkpointing(time)  # keep the sums after each token (rollback)
+            if track:  # running sums of the compressed keys and values: [b, t, h, rank, d]
+                per_token = {name: torch.einsum("btr,bhtd->bthrd", proj.float(), t.float()).cumsum(1) + held[:, None]
+                             for name, proj, t, held in (("keys", e, k, state.keys), ("values", f, v, state.values))}
             state.keys.copy_(keys)
             state.values.copy_(values)
             state.tokens.copy_(tokens[:, -1])
             state.seen += time
+            if track:
+                state.keep_states(**per_token, tokens=tokens)
         out = self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))  # [batch, time, hidden]
         return out if segments is None else segments.rows(out)
 

@@ -17,6 +17,8 @@ from .. import ops
 from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import RMSNorm
+from ..ops.causal_conv1d import causal_conv1d_windows
+from ..ops.selective_scan import selective_scan_states
 from .base import Mixer, check_dt_range, register, zero_padding
 from .segments import check_stateless
 
@@ -81,8 +83,11 @@ class Mamba(Mixer):
             check_stateless("mamba", state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
+        track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)
         u, z = self.in_proj(x).chunk(2, dim=-1)
-        u = self.conv1d(zero_padding(u, mask).transpose(1, 2), state.conv if state is not None else None, **packed)
+        conv_in = zero_padding(u, mask).transpose(1, 2)  # [batch, d_inner, time]
+        windows = causal_conv1d_windows(conv_in, state.conv) if track else None
+        u = self.conv1d(conv_in, state.conv if state is not None else None, **packed)
         dt, B, C = self.x_proj(u.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if hasattr(self, "dt_layernorm"):
             dt, B, C = self.dt_layernorm(dt), self.b_layernorm(B), self.c_layernorm(C)
@@ -93,12 +98,18 @@ class Mamba(Mixer):
             y = ops.selective_state_update(
                 state.ssm, u[..., 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D, z=z[..., 0]
             ).unsqueeze(-1)
+            if track:
+                state.keep_states(conv=windows, ssm=state.ssm.unsqueeze(1))
         else:
             y, final = ops.selective_scan(
                 u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D, z=z,
                 initial_state=state.ssm if state is not None else None, **packed,
             )
+            if track:  # the reference's chunked scan, whichever backend ran the forward
+                per_token = selective_scan_states(u, dt.transpose(1, 2), A, B.transpose(1, 2), state.ssm)
             if state is not None:
                 state.ssm.copy_(final)
+            if track:
+                state.keep_states(conv=windows, ssm=per_token)
         out = self.out_proj(y.transpose(1, 2))  # [batch, time, hidden]
         return out if segments is None else segments.rows(out)

@@ -15,6 +15,8 @@ from .. import ops
 from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import GatedRMSNorm
+from ..ops.causal_conv1d import causal_conv1d_windows
+from ..ops.ssd import ssd_states
 from .base import Mixer, check_dt_range, invalid_config, register, zero_padding
 from .mamba import inverse_softplus_dt
 from .segments import check_stateless
@@ -82,9 +84,11 @@ class Mamba2(Mixer):
             check_stateless("mamba2", state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
+        track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
-        xBC = self.conv1d(zero_padding(xBC, mask).transpose(1, 2), state.conv if state is not None else None,
-                          **packed)
+        conv_in = zero_padding(xBC, mask).transpose(1, 2)  # [batch, conv_dim, time]
+        windows = causal_conv1d_windows(conv_in, state.conv) if track else None
+        xBC = self.conv1d(conv_in, state.conv if state is not None else None, **packed)
         group_width = self.n_groups * self.d_state
         xs, B, C = xBC.transpose(1, 2).split([self.d_inner, group_width, group_width], dim=-1)
         dt = F.softplus(dt + self.dt_bias)
@@ -102,13 +106,19 @@ class Mamba2(Mixer):
                 A[:, None, None].expand(heads, dim, self.d_state), B[:, 0], C[:, 0],
                 D=self.D[:, None].expand(heads, dim),
             ).unsqueeze(1)
+            if track:
+                state.keep_states(conv=windows, ssm=state.ssm.unsqueeze(1))
         else:
             y, final = ops.ssd_chunk_scan(
                 xs, dt, A, B, C, self.chunk_size, D=self.D,
                 initial_state=state.ssm if state is not None else None, **packed,
             )
+            if track:  # the reference's chunked form, whichever backend ran the forward
+                per_token = ssd_states(xs, dt, A, B, state.ssm)
             if state is not None:
                 state.ssm.copy_(final)
+            if track:
+                state.keep_states(conv=windows, ssm=per_token)
         y = y.reshape(batch, time, self.d_inner)
         y = y * F.silu(z) if self.norm is None else self.norm(y, z)
         out = self.out_proj(y)  # [batch, time, hidden]

@@ -28,6 +28,7 @@ from torch import nn
 
 from .. import ops
 from ..cache import LinearAttentionState
+from ..ops.ssd import decay_scan_states
 from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register
 from .segments import check_stateless
 
@@ -141,8 +142,13 @@ class Performer(Mixer):
             q_feat, k_feat, v_ones, log_decay, initial_state=state.kv if state is not None else None, **packed
         )  # [b, h, t, d + 1]
         if state is not None:
+            track = state.checkpointing(time)  # keep the sums after each token (rollback)
+            if track:  # [b, t, h, d + 1, f]
+                per_token = decay_scan_states(*(t.transpose(1, 2) for t in (k_feat, v_ones, log_decay)), state.kv)
             state.kv.copy_(final)
             state.max.copy_(running[..., -1])
+            if track:
+                state.keep_states(kv=per_token, max=running.transpose(1, 2))
         # the normaliser is 0 only for a query with no real key at or before it (padding): its output is then 0
         out = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(torch.float32).tiny)
         out = self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))  # [batch, time, hidden]

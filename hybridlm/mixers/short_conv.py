@@ -11,15 +11,16 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..cache import LayerState
+from ..cache import RecurrentState
 from ..layers.conv import ShortConv
+from ..ops.causal_conv1d import causal_conv1d_windows
 from .base import Mixer, register, zero_padding
 from .gated_deltanet import check_positive
 from .segments import check_stateless
 
 
 @dataclasses.dataclass
-class ConvState(LayerState):
+class ConvState(RecurrentState):
     """The causal-conv window alone, ``conv [batch, channels, width - 1]`` (model dtype): ``channels * (width -
     1) * e`` bytes per row."""
 
@@ -52,8 +53,12 @@ class GatedShortConv(Mixer):
         if segments is not None:  # packed documents: one row, the window restarting at each
             check_stateless("short_conv", state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
+        track = state is not None and state.checkpointing(x.shape[1])  # keep the window after each token
         B, C, h = self.in_proj(x).chunk(3, dim=-1)  # [batch, time, hidden] each
         gated = zero_padding(B * h, mask)  # a padded token puts a zero into the window, as an empty window holds
+        windows = causal_conv1d_windows(gated.transpose(1, 2), state.conv) if track else None
         y = self.conv(gated.transpose(1, 2), state.conv if state is not None else None, **packed).transpose(1, 2)
+        if track:
+            state.keep_states(conv=windows)
         out = self.out_proj(C * y)
         return out if segments is None else segments.rows(out)

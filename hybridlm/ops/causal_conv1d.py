@@ -98,3 +98,11 @@ def causal_conv1d_update_ref(
         y = y + bias
     conv_state.copy_(window[..., 1:])
     return _activate(y, activation)
+
+
+def causal_conv1d_windows(x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+    """The carried window after each token of ``x [batch, channels, time]`` continuing from ``window [batch,
+    channels, width - 1]``: ``[batch, time, channels, width - 1]``, slices of ``[window, x]`` (what rolling the
+    window back to any token needs; the last one is the window :func:`causal_conv1d_ref` returns)."""
+    joined = torch.cat([window.to(x.dtype), x], dim=-1)  # [batch, channels, width - 1 + time]
+    return joined.unfold(-1, window.shape[-1], 1)[:, :, 1:].transpose(1, 2)

@@ -64,6 +64,17 @@ def _scale_rows(S: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return S * (gate[..., None, None] if gate.dim() == S.dim() - 2 else gate[..., None])
 
 
+def _wy_terms(kc, vc, bc, G, G_at) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Wv, Wk`` of each chunk, solving ``(I + strictly_lower(beta K K_decayed^T)) [Wv, Wk] = beta [V, K e^G]``,
+    so that a chunk entered with ``S0`` has the corrections ``U = Wv - Wk S0``. ``kc [..., l, dim_k]``, ``vc
+    [..., l, dim_v]``, ``bc [..., l]``, ``G`` the in-chunk cumulative log gate, ``G_at`` it broadcast over keys."""
+    eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
+    system = eye + bc.unsqueeze(-1) * _decayed_products(kc, kc, G, -1)  # [..., l, l]
+    rhs = bc.unsqueeze(-1) * torch.cat([vc, kc * G_at.exp()], dim=-1)  # [..., l, dim_v + dim_k]
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    return solved.split([vc.shape[-1], kc.shape[-1]], -1)
+
+
 def gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -117,10 +128,7 @@ def gated_delta_rule_ref(
     G_end = G_at[:, :, :, -1:]  # [b, h, c, 1, 1 or dim_k]: the log gate over the whole chunk
 
     # 1. all chunks at once: U = Wv - Wk S0, (I + strictly_lower(beta K K_decayed^T)) [Wv, Wk] = beta [V, K e^G]
-    eye = torch.eye(chunk, dtype=dtype, device=v.device)
-    system = eye + bc.unsqueeze(-1) * _decayed_products(kc, kc, G, -1)  # [b, h, c, l, l]
-    rhs = bc.unsqueeze(-1) * torch.cat([vc, kc * G_at.exp()], dim=-1)  # [b, h, c, l, dim_v + dim_k]
-    Wv, Wk = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True).split([dim_v, dim_k], -1)
+    Wv, Wk = _wy_terms(kc, vc, bc, G, G_at)  # [b, h, c, l, dim_v], [b, h, c, l, dim_k]
     attend = _decayed_products(qc, kc, G, 0)  # [b, h, c, l, l]
     q_decayed = qc * G_at.exp()  # what the entering state gives each query
     k_to_end = kc * (G_end - G_at).exp()  # each key decayed to the chunk end
@@ -188,3 +196,31 @@ def gated_delta_rule_step_ref(
     S = S + kh[..., None] * u[..., None, :]
     state.copy_(S)
     return torch.einsum("bhk,bhkv->bhv", qh * scale, S).to(v.dtype)
+
+
+def gated_delta_rule_states(k: torch.Tensor, v: torch.Tensor, log_gate: torch.Tensor | None, beta: torch.Tensor,
+                            initial_state: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """The state after each token of :func:`gated_delta_rule_ref` (same arguments): ``[batch, time, heads, dim_k,
+    dim_v]`` (what rolling it back to any token needs). The chunked WY form: inside a chunk entered with
+    ``S0``, ``S[t] = diag(exp(G[t])) S0 + sum_{i<=t} diag(exp(G[t] - G[i])) k[i] u[i]^T``."""
+    heads = v.shape[2]
+    dtype = torch.promote_types(v.dtype, torch.float32)
+    kh = k.repeat_interleave(heads // k.shape[2], dim=2).to(dtype).transpose(1, 2)  # [b, h, t, dim_k]
+    vh, bh = v.to(dtype).transpose(1, 2), beta.to(dtype).transpose(1, 2)  # [b, h, t, dim_v], [b, h, t]
+    gh = torch.zeros_like(bh) if log_gate is None else log_gate.to(dtype).transpose(1, 2)  # [b, h, t(, dim_k)]
+    state, states = initial_state.to(dtype), []
+    for start in range(0, v.shape[1], chunk_size):
+        part = slice(start, start + chunk_size)
+        kc, vc, bc = kh[:, :, part], vh[:, :, part], bh[:, :, part]
+        G = gh[:, :, part].cumsum(2)  # [b, h, l(, dim_k)]
+        G_at = G if G.dim() == 4 else G.unsqueeze(-1)  # [b, h, l, dim_k or 1]
+        Wv, Wk = _wy_terms(kc, vc, bc, G, G_at)
+        U = Wv - Wk @ state  # [b, h, l, dim_v]
+        keep = torch.ones(kc.shape[2], kc.shape[2], dtype=torch.bool, device=kc.device).tril()  # [t, i]: i <= t
+        diff = G_at.unsqueeze(3) - G_at.unsqueeze(2)  # [b, h, t, i, dim_k or 1]
+        reach = diff.masked_fill(~keep[..., None], -torch.inf).exp()
+        chunk = torch.einsum("bhtid,bhid,bhie->bhtde", reach.expand(-1, -1, -1, -1, kc.shape[-1]), kc, U)
+        chunk = chunk + G_at.exp().unsqueeze(-1) * state.unsqueeze(2)  # [b, h, l, dim_k, dim_v]
+        states.append(chunk)
+        state = chunk[:, :, -1]
+    return torch.cat(states, dim=2).transpose(1, 2)

@@ -229,3 +229,17 @@ def selective_state_update_ref(
         y = y * F.silu(z.float())
     y = y.to(x.dtype)
     return y.flatten(1, 2) if headless else y
+
+
+def selective_scan_states(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                          initial_state: torch.Tensor) -> torch.Tensor:
+    """The state after each token of :func:`selective_scan_ref` (``delta`` already biased and soft-plussed):
+    ``[batch, time, dim, dstate]`` fp32, from the same two-level chunked scan (what rolling the state back to
+    any token needs). ``u, delta [batch, dim, time]``, ``B [batch, (groups,) dstate, time]``."""
+    time = u.shape[-1]
+    Bt = _grouped(B, "B").float()
+    ut, dtt = (t.float().permute(2, 0, 1).contiguous() for t in (u, delta))  # [time, batch, dim]
+    every = Restarts(torch.zeros(0, dtype=torch.long, device=u.device), None, torch.arange(time, device=u.device))
+    _, _, states = _scan_block(ut, dtt, A.float(), Bt, Bt, initial_state.float(), min(_CHUNK, time),
+                               not torch.is_grad_enabled(), every)
+    return states.transpose(0, 1)  # [batch, time, dim, dstate]

@@ -196,3 +196,33 @@ def ssd_chunk_scan_ref(
     bounds = packed_sequences(x.shape[0], x.shape[1], seq_idx, cu_seqlens)
     check_initial_states("ssd_chunk_scan", bounds, initial_state)
     return ssd_through(chunked_decay_scan, x, dt, A, B, C, chunk_size, D, initial_state, sequences=bounds)
+
+
+def decay_scan_states(k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, initial_state: torch.Tensor,
+                      chunk_size: int = 64) -> torch.Tensor:
+    """The state after each token of :func:`chunked_decay_scan` (what rolling it back to any token needs):
+    ``[batch, time, heads, dim_v, dim_k]`` fp32. ``k [batch, time, groups, dim_k]``, ``v [batch, time, heads,
+    dim_v]``, ``log_decay [batch, time, heads]``, ``initial_state [batch, heads, dim_v, dim_k]``. Inside a chunk
+    ``S[t] = exp(G[t]) S_in + sum_{s<=t} exp(G[t] - G[s]) v[s] (outer) k[s]`` (the segment-sum matrix, as in
+    the scan); only the chunk-to-chunk carry is a loop."""
+    heads = v.shape[2]
+    kf = k.float().repeat_interleave(heads // k.shape[2], dim=2)  # [b, t, h, n]
+    vf, gf, state = v.float(), log_decay.float(), initial_state.float()
+    states = []
+    for start in range(0, v.shape[1], chunk_size):
+        part = slice(start, start + chunk_size)
+        g = gf[:, part].transpose(1, 2)  # [b, h, l]
+        inside = torch.exp(segment_sum(g))  # [b, h, l, s]: decay from token s to token l
+        added = torch.einsum("bhls,bshp,bshn->blhpn", inside, vf[:, part], kf[:, part])
+        chunk = added + torch.exp(g.cumsum(-1)).transpose(1, 2)[..., None, None] * state[:, None]  # [b, l, h, p, n]
+        states.append(chunk)
+        state = chunk[:, -1]
+    return torch.cat(states, dim=1)
+
+
+def ssd_states(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+               initial_state: torch.Tensor) -> torch.Tensor:
+    """The state after each token of :func:`ssd_chunk_scan_ref` (same arguments): ``[batch, time, heads,
+    head_dim, dstate]`` fp32."""
+    dtf = dt.float()
+    return decay_scan_states(B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), initial_state)
