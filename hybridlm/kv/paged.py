@@ -29,7 +29,8 @@ TABLE_ENTRY_BYTES = 4  # int32 block-table entries
 
 @dataclasses.dataclass
 class PagedKV(DenseKV):
-    """``keys``, ``values [pool pages, kv_heads, page_size, head_dim]`` (the pool: pages in use and free pages),
+    """``keys``, ``values [kv_heads, pool pages, page_size, head_dim]`` (the pool: pages in use and free pages;
+    heads first, so that gathering a row's pages leaves each head's keys one dense ``[slots, head_dim]`` block),
     ``padding [batch]``; ``tables[b]`` the pages of row ``b`` in token order (its real tokens only), ``refs[p]``
     the rows using page ``p``, ``free`` the unused pages; ``pads[b]`` the host copy of ``padding``. Keys are
     stored rotated."""
@@ -51,7 +52,7 @@ class PagedKV(DenseKV):
         if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
             raise ValueError(f"PagedKV: page_size={page_size!r} must be an integer >= 1")
         pages = batch_size * math.ceil(capacity / page_size)
-        shape = (pages, kv_heads, page_size, head_dim)
+        shape = (kv_heads, pages, page_size, head_dim)
         return cls(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype),
                    torch.zeros(batch_size, dtype=torch.long, device=device), page_size,
                    tables=[[] for _ in range(batch_size)], pads=[0] * batch_size, refs=[0] * pages,
@@ -64,9 +65,13 @@ class PagedKV(DenseKV):
         return len(self.tables)
 
     @property
+    def kv_heads(self) -> int:
+        return self.keys.shape[0]
+
+    @property
     def page_nbytes(self) -> int:
         """Bytes of one page of keys and values."""
-        _, heads, size, dim = self.keys.shape
+        heads, _, size, dim = self.keys.shape
         return 2 * heads * size * dim * self.keys.element_size()
 
     def pages_in_use(self) -> int:
@@ -127,11 +132,11 @@ class PagedKV(DenseKV):
         device = keys.device
         if copies:
             source, target = (torch.tensor(side, device=device) for side in zip(*copies))
-            self.keys[target], self.values[target] = self.keys[source], self.values[source]
+            self.keys[:, target], self.values[:, target] = self.keys[:, source], self.values[:, source]
         if rows:
             row, step, page, offset = (torch.cat(parts).to(device) for parts in (rows, steps, pages, offsets))
-            self.keys[page, :, offset] = keys[row, :, step]  # [tokens, kv_heads, head_dim]
-            self.values[page, :, offset] = values[row, :, step]
+            self.keys[:, page, offset] = keys[row, :, step].transpose(0, 1)  # [kv_heads, tokens, head_dim]
+            self.values[:, page, offset] = values[row, :, step].transpose(0, 1)
 
     def _allocate(self) -> int:
         if not self.free:
@@ -142,10 +147,11 @@ class PagedKV(DenseKV):
 
     def _grow(self) -> None:
         """Half as many pages again (at least one page per row), in a new pool."""
-        old = self.keys.shape[0]
+        old = self.keys.shape[1]
         new = max(old + self.batch_size, old * 3 // 2)
-        self.keys, self.values = (torch.cat([t, t.new_zeros(new - old, *t.shape[1:])]) for t in (self.keys,
-                                                                                                   self.values))
+        heads, _, size, dim = self.keys.shape
+        self.keys, self.values = (torch.cat([t, t.new_zeros(heads, new - old, size, dim)], 1) for t in (self.keys,
+                                                                                                          self.values))
         self.refs += [0] * (new - old)
         self.free += range(new - 1, old - 1, -1)
 
@@ -158,17 +164,22 @@ class PagedKV(DenseKV):
         return torch.tensor(rows, dtype=torch.int32, device=device)
 
     def _gather(self, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[batch, kv_heads, slots, head_dim]`` by slot, as the contiguous layout holds them;
-        padding slots (not stored) read some page's first slot, which the mask hides."""
-        batch, (_, heads, _, dim), device = self.batch_size, self.keys.shape, self.keys.device
-        if not self.keys.shape[0]:
+        """Keys and values ``[batch, kv_heads, slots, head_dim]`` by slot, as the contiguous layout holds them:
+        whole pages gathered in row order, then, for rows with padding (not stored), shifted right by it (the
+        padding slots read the row's first key, which the mask hides)."""
+        batch, (heads, _, size, dim), device = self.batch_size, self.keys.shape, self.keys.device
+        if not self.keys.shape[1]:
             shape = (batch, heads, slots, dim)
             return self.keys.new_zeros(shape), self.values.new_zeros(shape)
+        table = self.block_table(device).long()  # [b, pages]
+        pages = table.shape[1]
+        held = [t.index_select(1, table.flatten()).view(heads, batch, pages * size, dim).transpose(0, 1)
+                for t in (self.keys, self.values)]  # [b, h, pages * size, d]
+        if not any(self.pads):  # every row holds all its slots
+            return held[0][:, :, :slots], held[1][:, :, :slots]
         local = (torch.arange(slots)[None, :] - torch.tensor(self.pads)[:, None]).clamp(min=0)  # [b, slots]
-        page = self.block_table().long().gather(1, local // self.page_size).to(device)
-        offset = (local % self.page_size).to(device)
-        head = torch.arange(heads, device=device)[None, :, None]
-        return self.keys[page[:, None], head, offset[:, None]], self.values[page[:, None], head, offset[:, None]]
+        index = local.to(device)[:, None, :, None].expand(batch, heads, slots, dim)
+        return held[0].gather(2, index), held[1].gather(2, index)
 
     @staticmethod
     def _kernel_decodes(device: torch.device) -> bool:
@@ -178,7 +189,8 @@ class PagedKV(DenseKV):
     def _decode(self, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         """``q [batch, q_heads, 1, head_dim]`` over each row's pages, read in place by the paged kernel."""
         lengths = torch.tensor([self.seen - p for p in self.pads], device=q.device)
-        return ops.paged_attention(q, self.keys, self.values, self.block_table(q.device), lengths, scale=scale)
+        return ops.paged_attention(q, self.keys.transpose(0, 1), self.values.transpose(0, 1),
+                                   self.block_table(q.device), lengths, scale=scale)
 
     # --- rollback (HybridCache.crop) ----------------------------------------------------------------------
 
@@ -214,7 +226,7 @@ class PagedKV(DenseKV):
         renumber = {page: new for new, page in enumerate(order)}
         kept = torch.tensor(order, dtype=torch.long, device=self.keys.device)
         return dataclasses.replace(
-            self, keys=self.keys[kept], values=self.values[kept],
+            self, keys=self.keys[:, kept], values=self.values[:, kept],
             padding=self.padding.index_select(0, index.to(self.padding.device)),
             tables=[[renumber[page] for page in table] for table in tables], pads=[self.pads[i] for i in chosen],
             refs=[uses[page] for page in order], free=[])

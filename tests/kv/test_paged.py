@@ -91,14 +91,14 @@ def test_eight_samples_share_one_copy_of_a_2k_prompt(page_size):
     state = paged.states[1]
     assert all(state.refs[p] == samples for p in state.tables[0]) and state.tables == [state.tables[0]] * samples
     full = state.tables[0][:prompt // page_size]  # full pages: shared to the end
-    before = state.keys[full].clone(), state.values[full].clone()
+    before = state.keys[:, full].clone(), state.values[:, full].clone()
     with torch.no_grad():
         for t in range(steps):
             got = model(tails[:, t:t + 1], cache=paged).logits
             expected = model(tails[:, t:t + 1], cache=contiguous).logits
             assert expected.abs().max() > 0 and torch.equal(got, expected)
     assert all(table[:len(full)] == full for table in state.tables)
-    assert torch.equal(state.keys[full], before[0]) and torch.equal(state.values[full], before[1])
+    assert torch.equal(state.keys[:, full], before[0]) and torch.equal(state.values[:, full], before[1])
 
     page = 2 * state.kv_heads * page_size * state.head_dim * 4
     pages = prompt // page_size + samples * math.ceil((prompt % page_size + steps) / page_size)
@@ -125,7 +125,7 @@ def test_copy_on_write_leaves_the_shared_page_to_the_last_row():
     for b in range(3):
         expected = torch.cat([keys[0], new[b]], 1)  # [heads, 7, dim]
         assert torch.equal(view.keys[b], expected) and torch.equal(view.values[b], -expected)
-    assert torch.equal(rows.keys[0], keys[0, :, :4])  # the shared full page is untouched
+    assert torch.equal(rows.keys[:, 0], keys[0, :, :4])  # the shared full page is untouched
     assert torch.equal(state._gather(6)[0], keys)  # and so is the state the rows were selected from
 
 
@@ -184,3 +184,17 @@ def test_a_default_policy_keeps_the_contiguous_layout():
     model = tiny_model(layer_pattern="A")
     assert isinstance(model.new_cache(1, policy=CachePolicy()).states[0], KVState)
     assert not CachePolicy(page_size=4).is_default
+
+
+def test_cli_generate_takes_a_page_size(capsys, tmp_path):
+    from hybridlm.cli import main
+
+    tiny_model(layer_pattern="AM").save_pretrained(tmp_path)
+    outputs = []
+    for extra in [[], ["--page-size", "2"]]:
+        main(["generate", "--model", str(tmp_path), "--ids", "3,4,5", "--max-new-tokens", "6", *extra])
+        outputs.append(capsys.readouterr().out.split())
+    assert len(outputs[0]) == 6 and outputs[0] == outputs[1]
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path), "--ids", "3", "--page-size", "0"])
+    assert "page_size=0" in capsys.readouterr().err
