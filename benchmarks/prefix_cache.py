@@ -5,13 +5,14 @@ every other layer; random weights) answers requests made of one shared ``--syste
 and a fresh ``--question``-token question (64). Time to first token is the prefill of the whole request plus the
 choice of the first token (``next(decoder.stream(...))``), measured three ways:
 
-* no prefix cache: a plain :class:`~hybridlm.generation.IncrementalDecoder`;
+* no prefix cache: a plain :class:`~hybridlm.generation.IncrementalDecoder`, and the same with prefill chunks
+  no longer than a block (the cuts a prefix-caching decoder makes; its cost apart from the snapshots);
 * cold: a decoder with an empty :class:`~hybridlm.PrefixCache` (the miss, plus snapshotting every block);
 * hit: the system prompt's blocks are cached, so only the question (and the part of the prompt past the last
   whole block) is prefilled.
 
 Every mode runs ``--warmup`` untimed requests, then ``--repeats`` timed ones; it prints min and median and the
-ratios cold / hit. The modes take turns request by request, so that a change in machine load affects all alike.
+ratios to the hit. The modes take turns request by request, so that a change in machine load affects all alike.
 
     python benchmarks/prefix_cache.py [--system 4096] [--question 64] [--block-size 256] [--repeats 5] [--threads 1]
 """
@@ -58,10 +59,12 @@ def main() -> None:
         return torch.cat([system, torch.randint(1, vocab, (1, args.question), generator=generator)], dim=1)
 
     plain = IncrementalDecoder(model, prefill_chunk_size=args.chunk)
+    plain_blocks = IncrementalDecoder(model, prefill_chunk_size=min(args.chunk, args.block_size))
     shared = hybridlm.PrefixCache(block_size=args.block_size)
     warm = IncrementalDecoder(model, prefill_chunk_size=args.chunk, prefix_cache=shared)
     modes = {
         "no prefix cache": lambda ids: first_token_seconds(plain, ids),
+        "no cache, block chunks": lambda ids: first_token_seconds(plain_blocks, ids),
         "cold (empty cache)": lambda ids: first_token_seconds(IncrementalDecoder(
             model, prefill_chunk_size=args.chunk, prefix_cache=hybridlm.PrefixCache(block_size=args.block_size)), ids),
         "hit": lambda ids: first_token_seconds(warm, ids),
@@ -86,7 +89,7 @@ def main() -> None:
     for name, timing in timings.items():
         print(f"{name:<26}{timing:>24.1f}")
     hit = timings["hit"]
-    for name in ("no prefix cache", "cold (empty cache)"):
+    for name in ("no prefix cache", "no cache, block chunks", "cold (empty cache)"):
         cold = timings[name]
         print(f"{name} / hit: {cold.min_ms / hit.min_ms:.1f}x (min), {cold.median_ms / hit.median_ms:.1f}x (median)")
 

@@ -21,6 +21,7 @@ CASES = {
     "quantized-kv": (HYBRID, CachePolicy(kv_bits=4, kv_group_size=8, kv_residual=4)),
     "sinks+window": (HYBRID, CachePolicy(sink_tokens=2, window=6)),
     "heavy-hitters": (HYBRID, CachePolicy(heavy_hitters=3, window=4)),
+    "parallel-layer": (dict(layer_types=["mamba", "attention+mamba2"]), None),  # a state of two parts
 }
 
 
@@ -213,3 +214,8 @@ def test_padded_batches_and_foreign_objects_are_refused(hybrid, tmp_path):
     save_file({"x": torch.zeros(1)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ValueError, match="not a hybridlm prefix cache"):
         PrefixCache.load(tmp_path / "other.safetensors", hybrid)
+
+
+def test_a_paged_cache_is_refused(hybrid):
+    with pytest.raises(ValueError, match="PagedKV cannot be snapshotted .its field 'tables'"):
+        IncrementalDecoder(hybrid, cache_policy=CachePolicy(page_size=4), prefix_cache=PrefixCache(block_size=BLOCK))
