@@ -19,6 +19,7 @@ from . import (  # noqa: F401
     falcon_h1,
     granitemoehybrid,
     jamba,
+    kimi_linear,
     lfm2,
     mamba,
     mamba2,

@@ -89,7 +89,7 @@ class LatentAttention(Mixer):
                           query_positions=positions, in_order=True)
         else:
             view = state.update(latent, None, positions, None, mask)
-        keys, values = self._expand(view.keys)
+        keys, values = self._expand(view.keys.to(x.dtype))  # [batch, heads, n, nope + rope], [.., v_dim]
         if view.valid is None and (time == 1 or time == keys.shape[2]):  # causality alone: SDPA's own path
             out = ops.attention(q, keys, values, causal=time > 1, scale=self._scale(), **packed)
         else:
