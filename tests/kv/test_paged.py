@@ -4,6 +4,7 @@ samples of one prompt (bytes by formula), copy-on-write, rollback, and bad input
 Oracles: the contiguous layout (same model, same inputs, the same rows selected); for bytes, the page count of
 each row worked out by hand (shared full pages once, each sample's tail pages of its own)."""
 
+import collections
 import math
 
 import pytest
@@ -127,6 +128,56 @@ def test_copy_on_write_leaves_the_shared_page_to_the_last_row():
         assert torch.equal(view.keys[b], expected) and torch.equal(view.values[b], -expected)
     assert torch.equal(rows.keys[:, 0], keys[0, :, :4])  # the shared full page is untouched
     assert torch.equal(state._gather(6)[0], keys)  # and so is the state the rows were selected from
+
+
+@settings(max_examples=10, deadline=None)
+@given(page_size=st.integers(1, 5), prompt=st.integers(1, 9),
+       actions=st.lists(st.one_of(st.tuples(st.just("append"), st.integers(1, 6)),
+                                  st.tuples(st.just("select"), st.lists(st.integers(0, 5), min_size=1, max_size=4)),
+                                  st.tuples(st.just("crop"), st.integers(0, 4))), max_size=8))
+def test_random_appends_selects_and_crops_keep_every_row_and_the_page_counts(page_size, prompt, actions):
+    """Oracle: each row's tokens kept as a list. After every step, each row reads back exactly its tokens, every
+    page's reference count is the number of table entries naming it, and free pages are the unreferenced ones."""
+    dim, counter = 2, iter(range(1, 10_000))
+    paged = PagedKV.empty(1, 1, dim, page_size=page_size)
+    rows = [[]]
+
+    def append(count):
+        new = torch.tensor([[next(counter) for _ in range(count)] for _ in rows], dtype=torch.float32)
+        keys = new[:, None, :, None].expand(-1, 1, -1, dim)  # [b, 1, count, dim]: each token its own number
+        paged.update(keys, -keys, torch.zeros(len(rows), count, dtype=torch.long), None, None)
+        for row, values in zip(rows, new.tolist()):
+            row.extend(values)
+
+    append(prompt)
+    for action, arg in actions:
+        if action == "append":
+            append(arg)
+        elif action == "select":
+            index = [i % len(rows) for i in arg]
+            paged, rows = paged.select(torch.tensor(index)), [list(rows[i]) for i in index]
+        elif paged.seen > arg:
+            paged.rewind(arg)
+            rows = [row[:len(row) - arg] for row in rows]
+        keys, values = paged._gather(paged.seen)
+        assert keys[:, 0, :, 0].tolist() == rows and torch.equal(values, -keys)
+        entries = collections.Counter(page for table in paged.tables for page in table)
+        assert paged.refs == [entries[p] for p in range(len(paged.refs))]
+        assert sorted(paged.free) == [p for p in range(len(paged.refs)) if not paged.refs[p]]
+
+
+def test_a_parallel_layer_selects_its_paged_part():
+    model = tiny_model(layer_types=["attention+mamba2", "mamba"], num_hidden_layers=2)
+    ids = random_ids(2, 9)
+    out = []
+    for policy in [None, CachePolicy(page_size=2)]:
+        cache = model.new_cache(2, policy=policy)
+        with torch.no_grad():
+            model(ids[:, :6], cache=cache)
+            cache = cache.select(torch.tensor([1, 1, 0]))
+            out.append(model(ids[[1, 1, 0], 6:], cache=cache).logits)
+    assert isinstance(cache.states[0].parts["attention"], PagedKV)
+    assert out[0].abs().max() > 0 and torch.equal(out[0], out[1])
 
 
 def test_beam_search_and_sampling_with_a_paged_cache_equal_the_contiguous_cache():
