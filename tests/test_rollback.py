@@ -5,7 +5,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridlm import CachePolicy
 from hybridlm.cache import KVState, LayerState, StateGroup
+from hybridlm.kv.layouts import _WindowKV
+from hybridlm.kv.quantize import QuantizedKV
 from tests.helpers import assert_close_rel, random_ids, tiny_model
 
 
@@ -16,6 +19,14 @@ def contents(state: LayerState) -> dict[str, torch.Tensor]:
     tensors = state._tensors()
     if isinstance(state, KVState):
         tensors = {**tensors, "keys": state.keys[:, :, : state.length], "values": state.values[:, :, : state.length]}
+    if isinstance(state, _WindowKV):  # the slots a later token sees (the spill is bookkeeping)
+        slots = torch.arange(state.seen)
+        index = state._index(slots[(slots < state.pinned) | (slots > state.seen - state.window)])
+        return {"keys": state.keys[:, :, index], "values": state.values[:, :, index], "padding": state.padding}
+    if isinstance(state, QuantizedKV):
+        old_keys, old_values = state.dequantized()
+        return {"old_keys": old_keys, "old_values": old_values, "padding": state.padding,
+                "keys": state.recent_keys[:, :, : state.recent], "values": state.recent_values[:, :, : state.recent]}
     return tensors
 
 
@@ -45,18 +56,18 @@ def run(model, ids, cache, mask=None):
         return model(ids, cache=cache, attention_mask=mask).logits
 
 
-def check_rollback(model, prompt, block, after, mask=None, rel=1e-5):
+def check_rollback(model, prompt, block, after, mask=None, rel=1e-5, policy=None):
     """``prompt`` then ``block`` into one cache, cropped back to each token of the block, against a cache that
     saw only ``prompt`` and the block up to there; then both continue with ``after``."""
     batch, warm, k = prompt.shape[0], prompt.shape[1], block.shape[1]
     full_mask = None if mask is None else torch.cat([mask, mask.new_ones(batch, k + after.shape[1])], 1)
     for j in range(k + 1):
-        reference = model.new_cache(batch)
+        reference = model.new_cache(batch, policy=policy)
         run(model, prompt, reference, mask)
         if j:
             run(model, block[:, :j], reference, None if mask is None else full_mask[:, : warm + j])
         assert nonzero(reference)
-        cache = model.new_cache(batch)
+        cache = model.new_cache(batch, policy=policy)
         run(model, prompt, cache, mask)
         run(model, block, cache, None if mask is None else full_mask[:, : warm + k])
         cache.crop(warm + j)
@@ -169,3 +180,57 @@ def test_keep_checkpoints_spans_one_token_forwards_and_is_counted():
     run(model, steps[:, :3], cache)  # decoding on keeps states again
     cache.crop(-3)
     assert cache.seen == 8
+
+
+LAYOUTS = {
+    "ring": (dict(sliding_window=4), None),
+    "sinks+window": ({}, CachePolicy(sink_tokens=2, window=4)),
+    "quantized": ({}, CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=6)),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kv_layouts_crop_to_any_token_of_a_block(layout):
+    """Window layouts put back the slots the block pushed out; quantized KV crops within its full-precision tail
+    (residual 6, groups of 4: 4 tokens quantized after 10 to 13 tokens, so 10 then a block of 3)."""
+    overrides, policy = LAYOUTS[layout]
+    model = tiny_model(layer_pattern="AMA", **overrides)
+    warm, k = (10, 3) if layout == "quantized" else (7, 4)
+    mask = torch.tensor([[0] * 2 + [1] * (warm - 2), [1] * warm], dtype=torch.bool)
+    check_rollback(model, random_ids(2, warm), random_ids(2, k, seed=1), random_ids(2, 3, seed=2), mask,
+                   policy=policy)
+
+
+@pytest.mark.parametrize("layout", ["ring", "sinks+window"])
+def test_window_layouts_keep_pushed_out_slots_across_one_token_forwards(layout):
+    overrides, policy = LAYOUTS[layout]
+    model = tiny_model(layer_pattern="A", **overrides)
+    ids = random_ids(1, 14)
+    cache = model.new_cache(1, policy=policy)
+    run(model, ids[:, :6], cache)
+    plain_reserved = cache.reserved_nbytes()
+    cache.keep_checkpoints(5)
+    for i in range(6, 14):
+        run(model, ids[:, i : i + 1], cache)
+    assert cache.reserved_nbytes() > plain_reserved  # the kept slots are counted
+    with pytest.raises(ValueError, match="before its earliest kept checkpoint"):
+        cache.crop(-7)
+    cache.crop(8)
+    reference = model.new_cache(1, policy=policy)
+    run(model, ids[:, :8], reference)
+    assert_same_cache(cache, reference)
+    assert_close_rel(run(model, ids[:, 8:11], cache), run(model, ids[:, 8:11], reference))
+
+
+def test_layouts_that_cannot_roll_back_say_so():
+    model = tiny_model(layer_pattern="A")
+    cache = model.new_cache(1, policy=CachePolicy(heavy_hitters=2, window=3))
+    run(model, random_ids(1, 6), cache)
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match="H2O .* cannot roll back"):
+        cache.crop(-1)
+    quantized = model.new_cache(1, policy=CachePolicy(kv_bits=8, kv_group_size=4, kv_residual=2))
+    run(model, random_ids(1, 9), quantized)  # 4 quantized, 5 in full precision: 3 beyond the residual
+    quantized.crop(-3)
+    with pytest.raises(ValueError, match=r"only the last 0 token slots are beyond the 2 \(kv_residual\)"):
+        quantized.crop(-1)

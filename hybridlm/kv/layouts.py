@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 
+from .. import rollback
 from ..cache import DenseKV, KVView, LayerState, _tensor_nbytes
 
 
@@ -38,7 +39,87 @@ class _FixedKV(DenseKV):
 
 
 @dataclasses.dataclass
-class RingKV(_FixedKV):
+class _WindowKV(_FixedKV):
+    """A ring of the last ``window`` slots after ``pinned`` slots that never leave (attention sinks; none for a
+    plain ring): slot ``s >= pinned`` lives at :meth:`_index` until ``window`` later slots push it out.
+
+    Rolling back ``n`` slots needs the ``n - 1`` slots that the last ``n`` pushed out (the ring holds one slot
+    more than a token sees). They are kept in ``spilled_keys, spilled_values [batch, heads, kept, head_dim]``
+    (the slots just before the ring's oldest, as the buffer holds them) for the forward that pushed them out
+    when it had 2 to 64 tokens on a warm cache, or for the last ``spill_limit`` slots across forwards once
+    :meth:`keep_checkpoints` asked; ``reserved_nbytes`` counts them."""
+
+    spilled_keys: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
+    spilled_values: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
+    spill_limit: int = dataclasses.field(default=0, kw_only=True)
+    croppable = True
+
+    @property
+    def pinned(self) -> int:
+        return 0
+
+    def _index(self, slots: torch.Tensor) -> torch.Tensor:
+        """Buffer index of each absolute slot: pinned slots first, then the ring."""
+        pinned = self.pinned
+        return torch.where(slots < pinned, slots, pinned + (slots - pinned) % self.window)
+
+    def _pushed_out(self, seen: int) -> int:
+        """The slots before this one have left the ring once ``seen`` slots were seen (pinned ones excepted)."""
+        return max(self.pinned, seen - self.window)
+
+    def keep_checkpoints(self, tokens: int) -> None:
+        self.spill_limit, self.spilled_keys, self.spilled_values = tokens, None, None
+
+    def _spill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Before new ``keys, values [batch, heads, time, head_dim]`` (as the buffer stores them) are written:
+        keep the slots this forward pushes out of the ring, when rollback needs them."""
+        first, time = self.seen, keys.shape[2]
+        limit = self.spill_limit or (time if first and 1 < time <= rollback.AUTO_CHECKPOINT_TOKENS else 0)
+        if not limit:
+            self.spilled_keys = self.spilled_values = None
+            return
+        start, stop = self._pushed_out(first), self._pushed_out(first + time)
+        held = self.spilled_keys is not None and self.spill_limit
+        parts_k = [self.spilled_keys] if held else []
+        parts_v = [self.spilled_values] if held else []
+        if start < min(stop, first):  # pushed out of the buffer
+            index = self._index(torch.arange(start, min(stop, first), device=keys.device))
+            parts_k.append(self.keys.index_select(2, index))
+            parts_v.append(self.values.index_select(2, index))
+        if max(start, first) < stop:  # new slots that never enter the ring
+            parts_k.append(keys[:, :, max(start, first) - first : stop - first])
+            parts_v.append(values[:, :, max(start, first) - first : stop - first])
+        empty = keys[:, :, :0]
+        self.spilled_keys = torch.cat([empty, *parts_k], 2)[:, :, -limit:]
+        self.spilled_values = torch.cat([values[:, :, :0], *parts_v], 2)[:, :, -limit:]
+
+    def rewind_blocker(self, tokens: int) -> str | None:
+        end = self._pushed_out(self.seen)
+        needed = end - max(self.pinned, self.seen - tokens - self.window + 1)
+        kept = 0 if self.spilled_keys is None else self.spilled_keys.shape[2]
+        if needed <= kept:
+            return None
+        return (f"that is before its earliest kept checkpoint: it needs {needed} slots that left the window, "
+                f"{kept} kept (HybridCache.keep_checkpoints(n) keeps them across forwards)")
+
+    def rewind(self, tokens: int) -> None:
+        """Put the slots that left the ring since back from the spill; forget the last ``tokens`` slots."""
+        end, kept = self._pushed_out(self.seen), 0 if self.spilled_keys is None else self.spilled_keys.shape[2]
+        self.seen -= tokens
+        new_end = self._pushed_out(self.seen)
+        first, last = max(new_end, end - kept), min(end, self.seen)  # slots back in the ring: [first, last)
+        if first < end:
+            index = self._index(torch.arange(first, last, device=self.keys.device))
+            self.keys.index_copy_(2, index, self.spilled_keys[:, :, first - end + kept : last - end + kept])
+            self.values.index_copy_(2, index, self.spilled_values[:, :, first - end + kept : last - end + kept])
+            self.spilled_keys = self.spilled_keys[:, :, : first - end + kept]
+            self.spilled_values = self.spilled_values[:, :, : first - end + kept]
+        if self.has_padding:
+            self.padding = self.padding.clamp(max=self.seen)
+
+
+@dataclasses.dataclass
+class RingKV(_WindowKV):
     """A sliding window of ``window`` slots (each token sees itself and the ``window - 1`` before it), written
     in place into a ring: slot ``s`` lives at index ``s % window``. Decoding allocates and copies nothing; a
     multi-token chunk attends over the held window followed by its own keys, then writes its last ``window``
@@ -79,6 +160,7 @@ class RingKV(_FixedKV):
         if rotate is not None:
             keys = rotate(keys, positions)
         self._count_padding(mask)
+        self._spill(keys, values)
         if time == 1:  # in place: the new slot replaces the one that just left the window
             self.keys[:, :, first % window] = keys[:, :, 0]
             self.values[:, :, first % window] = values[:, :, 0]
@@ -104,7 +186,7 @@ class RingKV(_FixedKV):
 
 
 @dataclasses.dataclass
-class SinkWindowKV(_FixedKV):
+class SinkWindowKV(_WindowKV):
     """StreamingLLM: the first ``sinks`` slots (attention sinks) and a ring of the last ``window``.
 
     Keys are stored before the rotary embedding and rotated on every read by their position *inside the
@@ -141,14 +223,14 @@ class SinkWindowKV(_FixedKV):
     def predicted_nbytes(self, tokens: int) -> int:
         return self._held_nbytes(min(tokens, self.sinks + self.window - 1))
 
-    def _index(self, slots: torch.Tensor) -> torch.Tensor:
-        """Buffer index of each absolute slot: sinks first, then the ring."""
-        sinks = self.sinks
-        return torch.where(slots < sinks, slots, sinks + (slots - sinks) % self.window)
+    @property
+    def pinned(self) -> int:
+        return self.sinks
 
     def update(self, keys, values, positions, rotate, mask) -> KVView:
         first, time, sinks, window = self.seen, keys.shape[2], self.sinks, self.window
         self._count_padding(mask)
+        self._spill(keys, values)
         new_slots = torch.arange(first, first + time, device=keys.device)
         if time == 1:  # in place, as in RingKV
             index = first if first < sinks else sinks + (first - sinks) % window
@@ -205,6 +287,10 @@ class HeavyHitterKV(_FixedKV):
     has_padding: bool = False
 
     needs_attention_probs = True
+
+    def rewind_blocker(self, tokens: int) -> str | None:
+        return ("H2O (heavy hitters) cannot roll back: the dropped queries' attention mass is summed into every "
+                "kept key and evicted keys are gone")
 
     @classmethod
     def empty(cls, batch_size, kv_heads, head_dim, *, heavy, window, device=None, dtype=None) -> HeavyHitterKV:

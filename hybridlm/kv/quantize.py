@@ -156,6 +156,23 @@ class QuantizedKV(KVLayout):
         return KVView(view_keys, view_values, slots, self._validity(slots), query_slots=slots[first:],
                       query_positions=positions, in_order=True)
 
+    croppable = True
+
+    def rewind_blocker(self, tokens: int) -> str | None:
+        """Only full-precision tokens can be dropped exactly, and only while the quantized count stays what a
+        forward that stopped there would have: ``residual`` full-precision tokens must remain once any are
+        quantized."""
+        removable = self.recent - self.residual if self.quantized else self.recent
+        if tokens <= removable:
+            return None
+        return (f"that is before its earliest kept checkpoint: only the last {removable} token slots are beyond "
+                f"the {self.residual} (kv_residual) kept in full precision after {self.quantized} quantized ones")
+
+    def rewind(self, tokens: int) -> None:
+        self.recent -= tokens
+        if self.has_padding:
+            self.padding = self.padding.clamp(max=self.seen)
+
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, quantized, head_dim]`` of the quantized tokens."""
         q, group, bits = self.quantized, self.group, self.bits
