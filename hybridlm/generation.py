@@ -2,8 +2,10 @@
 
 Prefill feeds the prompt in chunks of ``prefill_chunk_size`` tokens, so peak activation memory is bounded
 by the chunk, not the prompt (the cache holds the rest). Decode feeds one token per step and reads nothing
-but the cache. Prompts of different lengths are left-padded into one batch; rows that hit a stop token are
-dropped from the cache (``HybridCache.select``), so finished rows cost nothing.
+but the cache, through :class:`~hybridlm.decode.DecodeStep`: nothing is read back to the host except, with
+stop tokens, whether rows have finished (every ``stop_check_interval`` steps). Prompts of different lengths are
+left-padded into one batch; rows that hit a stop token are dropped from the cache (``HybridCache.select``) at
+those checks, so finished rows cost nothing, except under ``compile=True``, which keeps the batch fixed.
 
 >>> decoder = IncrementalDecoder(model, prefill_chunk_size=256)
 >>> for tokens in decoder.stream([[1, 2, 3], [4, 5]], max_new_tokens=8):  # one tensor per step
@@ -18,7 +20,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import HybridCache
+from .decode import DecodeStep
 from .prefix_cache import bind_prefix_cache
+
+#: A compiled decoder's static caches hold a multiple of this many slots (each capacity compiles once).
+STATIC_CAPACITY_STEP = 256
 
 
 @dataclass
@@ -92,12 +98,21 @@ def left_pad(prompts: Sequence[Sequence[int]] | torch.Tensor, pad_token_id: int 
 class IncrementalDecoder:
     """Generates from a :class:`~hybridlm.HybridForCausalLM` with chunked prefill and cached decode."""
 
-    def __init__(self, model, prefill_chunk_size: int = 512, cache_policy=None, prefix_cache=None, speculative=None):
+    def __init__(self, model, prefill_chunk_size: int = 512, cache_policy=None, prefix_cache=None, speculative=None,
+                 compile: bool = False, stop_check_interval: int = 1):
         """``cache_policy``: a :class:`~hybridlm.CachePolicy` for the caches this decoder makes; ``prefix_cache``: a
         :class:`~hybridlm.PrefixCache` that prompts are restored from and snapshotted into; ``speculative``: a
-        :class:`~hybridlm.SpeculativeDecoding` (draft model or prompt lookup, :mod:`hybridlm.speculative`)."""
+        :class:`~hybridlm.SpeculativeDecoding` (draft model or prompt lookup, :mod:`hybridlm.speculative`).
+        ``compile``: decode with a static cache and a step compiled by ``torch.compile`` (:mod:`hybridlm.decode`).
+        ``stop_check_interval``: with stop tokens, read back every this many steps whether rows have finished (1:
+        every step, ending the stream at once; N: one host sync per N steps, but up to N - 1 all-padding steps
+        may follow the last stop)."""
         if prefill_chunk_size < 1:
             raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be >= 1")
+        if stop_check_interval < 1:
+            raise ValueError(f"stop_check_interval={stop_check_interval} must be >= 1")
+        self.decode_step = DecodeStep(model, compile=compile)
+        self.stop_check_interval = stop_check_interval
         self.model = model
         self.prefill_chunk_size = prefill_chunk_size
         self.cache_policy = cache_policy
@@ -120,7 +135,11 @@ class IncrementalDecoder:
         ids = ids.to(self.device)
         mask = mask.to(self.device) if mask is not None else None
         if cache is None:
-            cache = self.model.new_cache(ids.shape[0], max_length=ids.shape[1] + reserve, policy=self.cache_policy)
+            length = ids.shape[1] + reserve
+            if self.decode_step.compiled:  # a capacity shared by nearby lengths: one compiled step serves them all
+                length = -(-length // STATIC_CAPACITY_STEP) * STATIC_CAPACITY_STEP
+            cache = self.model.new_cache(ids.shape[0], max_length=length, policy=self.cache_policy,
+                                         static=self.decode_step.compiled)
             if self.prefix_cache is not None:
                 return self.prefix_cache.prefill(self, ids, mask, cache)
         self.stats.update(prefix_hit_tokens=0, prefill_tokens=ids.shape[1])
@@ -152,20 +171,25 @@ class IncrementalDecoder:
             generator = torch.Generator(device=self.device).manual_seed(settings.seed)
         cache, logits = self.prefill(ids, None if bool(mask.all()) else mask, reserve=settings.max_new_tokens)
         stops = torch.tensor(list(settings.stop_tokens), dtype=torch.long, device=self.device)
-        active = torch.arange(ids.shape[0], device=self.device)  # rows still generating, in cache order
-        for _ in range(settings.max_new_tokens):
+        rows = torch.arange(ids.shape[0], device=self.device)  # the output row of each cache row
+        finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)  # per cache row
+        for index in range(settings.max_new_tokens):
             chosen = choose_next(logits, settings, generator)
-            step = torch.full((ids.shape[0],), settings.pad_token_id, dtype=torch.long, device=self.device)
-            step[active] = chosen
+            if len(stops):
+                chosen = chosen.masked_fill(finished, settings.pad_token_id)
+                finished = finished | torch.isin(chosen, stops)
+            step = chosen if len(rows) == ids.shape[0] else \
+                chosen.new_full((ids.shape[0],), settings.pad_token_id).index_copy_(0, rows, chosen)
             self.stats["decode_tokens"] += 1
             yield step
-            running = ~torch.isin(chosen, stops)
-            if not bool(running.all()):
-                if not bool(running.any()):
+            if len(stops) and (index + 1) % self.stop_check_interval == 0:
+                done = int(finished.sum())  # the one host sync of a step, and only with stop tokens
+                if done == len(rows):
                     return
-                keep = running.nonzero().squeeze(-1)
-                cache, active, chosen = cache.select(keep), active[keep], chosen[keep]
-            logits = self.model(chosen[:, None], cache=cache).logits[:, -1]
+                if done and not self.decode_step.compiled:  # a compiled step keeps its shapes
+                    keep = (~finished).nonzero().squeeze(-1)
+                    cache, rows, chosen, finished = cache.select(keep), rows[keep], chosen[keep], finished[keep]
+            logits = self.decode_step(chosen, cache)
 
     def generate(self, prompts, **settings) -> torch.Tensor:
         """``[batch, prompt + new]``: the (left-padded) prompts followed by the generated tokens."""

@@ -52,6 +52,11 @@ def load_balancing_loss(statistics: torch.Tensor) -> torch.Tensor:
     return statistics.shape[-1] * (selections * probability).sum()
 
 
+#: Up to this many tokens (decode steps), MoE runs every expert on every token: fixed shapes and no host sync
+#: (the sparse path's ``nonzero`` reads the routing back), at most ``num_experts / top_k`` times the FLOPs.
+DENSE_ROUTING_TOKENS = 64
+
+
 class MoE(nn.Module):
     """Top-k routing over ``num_experts`` MLPs plus an optional always-on shared expert. ``forward`` returns
     ``(output, routing statistics [2, E])``; the model turns those of all layers into the auxiliary loss
@@ -123,15 +128,31 @@ class MoE(nn.Module):
         keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)
         return grouped.masked_fill(~keep[..., None], float("-inf")).flatten(-2)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = x.reshape(-1, x.shape[-1])
-        probs, weights, chosen = self.route(flat)
-        weights = weights.to(x.dtype)
+    def _chosen_experts(self, flat, weights, chosen) -> torch.Tensor:
+        """``[tokens, hidden]``: each expert on the tokens that chose it (``weights, chosen [tokens, k]``)."""
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             rows, slot = torch.nonzero(chosen == e, as_tuple=True)
             if rows.numel():
                 out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out
+
+    def _every_expert(self, flat, weights, chosen) -> torch.Tensor:
+        """The same sum with every expert on every token, weighted 0 where not chosen (see
+        :data:`DENSE_ROUTING_TOKENS`)."""
+        dense = torch.zeros(flat.shape[0], len(self.experts), dtype=flat.dtype, device=flat.device)
+        dense.scatter_(1, chosen, weights)  # [tokens, E]
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(flat) * dense[:, e, None]
+        return out
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.reshape(-1, x.shape[-1])
+        probs, weights, chosen = self.route(flat)
+        weights = weights.to(x.dtype)
+        route = self._every_expert if flat.shape[0] <= DENSE_ROUTING_TOKENS else self._chosen_experts
+        out = route(flat, weights, chosen)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:

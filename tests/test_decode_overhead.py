@@ -1,0 +1,175 @@
+"""The decode step without host synchronisation (hybridlm.decode), the static KV layout (hybridlm.kv.static)
+and the compiled decoder: each checked against one full forward or the eager decoder."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridlm import CachePolicy
+from hybridlm.decode import DecodeStep, decode_logits
+from hybridlm.generation import IncrementalDecoder
+from hybridlm.kv.static import StaticKV
+from tests.helpers import assert_close_rel, random_ids, tiny_model
+
+# kinds whose one-token update has fixed shapes (a sliding window's ring and the Linformer keep Python counters)
+STATIC_KINDS = "AMSPCD"
+
+
+class HostRead(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Every Python-level way of reading a tensor's value back (``item``, ``bool``, ``int``, ``float``, ``tolist``,
+    use as an index, ``nonzero``, ``torch.equal``) raises :class:`HostRead`."""
+    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "numpy")
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+    saved_equal = torch.equal
+
+    def refuse(name):
+        def read(*args, **kwargs):
+            raise HostRead(f"the decode step called Tensor.{name}")
+        return read
+
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, refuse(name))
+        torch.equal = refuse("equal")
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+        torch.equal = saved_equal
+
+
+def teacher_forced(model, ids, prompt: int, static: bool, mask=None) -> torch.Tensor:
+    """Logits ``[batch, time - prompt, vocab]`` of decode steps over ``ids[:, prompt:]`` after a prefill, every
+    step run with host reads forbidden."""
+    cache = model.new_cache(ids.shape[0], max_length=ids.shape[1] + 3, static=static)
+    model(ids[:, :prompt], attention_mask=None if mask is None else mask[:, :prompt], cache=cache)
+    step, out = DecodeStep(model), []
+    for t in range(prompt, ids.shape[1]):
+        with no_host_reads():
+            out.append(step(ids[:, t], cache))
+    assert cache.seen == ids.shape[1]
+    return torch.stack(out, dim=1)
+
+
+def test_the_guard_catches_a_read():
+    with no_host_reads(), pytest.raises(HostRead):
+        bool(torch.ones(1).sum() > 0)
+
+
+@settings(max_examples=6, deadline=None)
+@given(pattern=st.text(STATIC_KINDS, min_size=1, max_size=3), moe=st.booleans(), static=st.booleans())
+@torch.no_grad()
+def test_decode_step_reads_nothing_back_and_equals_the_full_forward(pattern, moe, static):
+    model = tiny_model(layer_pattern=pattern, mlp_types=["moe" if moe else "dense"] * len(pattern))
+    ids = random_ids(2, 9)
+    full = model(ids).logits
+    assert_close_rel(teacher_forced(model, ids, 5, static), full[:, 5:], rel=1e-4)
+
+
+@torch.no_grad()
+def test_static_decode_with_left_padding_equals_each_row_alone():
+    model = tiny_model(layer_pattern="AS")
+    ids = random_ids(2, 8)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :3] = False
+    batched = teacher_forced(model, ids, 5, True, mask)
+    for row, start in ((0, 0), (1, 3)):
+        alone = model(ids[row:row + 1, start:]).logits[0, 5 - start:]
+        assert_close_rel(batched[row], alone, rel=1e-4)
+
+
+@torch.no_grad()
+def test_static_cache_keeps_its_shapes_and_says_when_full():
+    model = tiny_model(layer_pattern="AS")
+    cache = model.new_cache(1, max_length=6, static=True)
+    kv = cache.states[0]
+    assert isinstance(kv, StaticKV) and kv.keys.shape[2] == 6
+    model(random_ids(1, 5), cache=cache)
+    step = DecodeStep(model)
+    step(torch.tensor([3]), cache)
+    assert (cache.seen, kv.length, int(kv.filled[0]), kv.keys.shape[2]) == (6, 6, 6, 6)
+    assert kv.nbytes() == kv.predicted_nbytes(6)
+    with pytest.raises(ValueError, match="max_length=6"):
+        step(torch.tensor([3]), cache)
+    with pytest.raises(ValueError, match="max_length=6"):
+        model(random_ids(1, 1), cache=cache)
+
+
+@torch.no_grad()
+def test_static_cache_rolls_back_and_selects_rows():
+    model = tiny_model(layer_pattern="AA")
+    ids = random_ids(2, 8)
+    cache = model.new_cache(2, max_length=8, static=True)
+    model(ids[:, :5], cache=cache)
+    step = DecodeStep(model)
+    first = [step(ids[:, t], cache) for t in range(5, 8)]
+    cache.crop(6)
+    again = [step(ids[:, t], cache) for t in range(6, 8)]
+    assert_close_rel(torch.stack(again), torch.stack(first[1:]), rel=1e-6)
+    row = cache.select(torch.tensor([1]))
+    assert row.states[0].filled.tolist() == [8] and row.capacity == 8
+
+
+def test_static_refuses_what_it_cannot_hold():
+    model = tiny_model(layer_pattern="AL")
+    with pytest.raises(ValueError, match="linformer"):
+        model.new_cache(1, max_length=8, static=True)
+    with pytest.raises(ValueError, match="max_length"):
+        tiny_model(layer_pattern="A").new_cache(1, static=True)
+    with pytest.raises(ValueError, match="SinkWindowKV"):
+        tiny_model(layer_pattern="A").new_cache(1, max_length=8, static=True, policy=CachePolicy(window=4))
+    with pytest.raises(ValueError, match="static cache"):
+        DecodeStep(model, compile=True)(torch.tensor([1]), model.new_cache(1))
+
+
+def test_stop_check_interval_trades_syncs_for_trailing_padding():
+    model = tiny_model(layer_pattern="AS")
+    prompts = [[5, 6, 7], [3, 4, 2]]
+    free = IncrementalDecoder(model).generate(prompts, max_new_tokens=8)[:, 3:]
+    stop = int(free[0, 1])  # row 0 stops at its second token at the latest
+    every = IncrementalDecoder(model).generate(prompts, max_new_tokens=8, stop_tokens=[stop], pad_token_id=60)
+    fourth = IncrementalDecoder(model, stop_check_interval=4).generate(prompts, max_new_tokens=8,
+                                                                       stop_tokens=[stop], pad_token_id=60)
+    assert torch.equal(fourth[:, :every.shape[1]], every)  # the same tokens ...
+    assert bool((fourth[:, every.shape[1]:] == 60).all())  # ... then only padding up to the next check
+    assert fourth.shape[1] - every.shape[1] < 4
+    with pytest.raises(ValueError, match="stop_check_interval"):
+        IncrementalDecoder(model, stop_check_interval=0)
+
+
+@torch.no_grad()
+def test_the_step_traces_whole():
+    """``fullgraph=True``: dynamo finds no data-dependent branch or host read in the step (aot_eager: no
+    inductor code generation, so this stays fast)."""
+    model = tiny_model(layer_pattern="AMS", mlp_types=["moe", "dense", "none"])
+    ids = random_ids(2, 8)
+    cache = model.new_cache(2, max_length=8, static=True)
+    model(ids[:, :6], cache=cache)
+    eager = decode_logits(model, ids[:, 6:7], cache.snapshot())
+    traced = torch.compile(decode_logits, fullgraph=True, dynamic=False, backend="aot_eager")
+    assert_close_rel(traced(model, ids[:, 6:7], cache), eager, rel=1e-6)
+
+
+@pytest.mark.slow  # one inductor compile of a two-layer model: about 20 s idle, minutes on a loaded machine
+@torch.no_grad()
+def test_compiled_decoder_equals_eager():
+    model = tiny_model(layer_pattern="AS", mlp_types=["moe", "none"])
+    prompts = [[5, 6, 7, 8], [3, 4]]
+    eager = IncrementalDecoder(model).generate(prompts, max_new_tokens=5)
+    compiled = IncrementalDecoder(model, compile=True)
+    assert torch.equal(compiled.generate(prompts, max_new_tokens=5), eager)
+    ids = random_ids(2, 8)
+    cache = model.new_cache(2, max_length=256, static=True)
+    model(ids[:, :6], cache=cache)
+    expected = decode_logits(model, ids[:, 6:7], cache.snapshot())
+    assert_close_rel(compiled.decode_step(ids[:, 6], cache), expected, rel=1e-5)
