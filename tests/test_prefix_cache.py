@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridlm import CachePolicy, PrefixCache
+from hybridlm.config import MIXER_TYPES
 from hybridlm.generation import IncrementalDecoder
 from tests.helpers import assert_close_rel, random_ids, tiny_model
 
@@ -74,6 +75,29 @@ def test_small_prefill_chunks_hit_equals_cold_and_matches_one_forward(hybrid):
     assert torch.equal(hit, cold)
     with torch.no_grad():
         assert_close_rel(hit, hybrid(ids).logits[:, -1], rel=1e-5)
+
+
+LAYER_KINDS = list(MIXER_TYPES) + ["none", "attention+mamba2", "mamba+performer"]
+stacks = st.lists(st.tuples(st.sampled_from(LAYER_KINDS), st.sampled_from(["dense", "moe", "none"]))
+                  .filter(lambda layer: layer != ("none", "none")), min_size=1, max_size=3)
+
+
+@settings(max_examples=10, deadline=None)
+@given(stack=stacks, batch=st.integers(1, 2), block=st.integers(2, 6), chunk=st.integers(1, 8),
+       blocks=st.integers(1, 3), tail=st.integers(1, 5), seed=st.integers(0, 1000))
+def test_any_stack_continues_exactly_after_a_hit(stack, batch, block, chunk, blocks, tail, seed):
+    model = tiny_model(seed % 7, layer_types=[m for m, _ in stack], mlp_types=[f for _, f in stack])
+    shared = random_ids(batch, blocks * block, seed=seed)
+    first = torch.cat([shared, random_ids(batch, 2, seed=seed + 1)], dim=1)
+    second = torch.cat([shared, random_ids(batch, tail, seed=seed + 2)], dim=1)
+    decoder = IncrementalDecoder(model, prefill_chunk_size=chunk, prefix_cache=PrefixCache(block_size=block))
+    decoder.prefill(first)
+    _, hit = decoder.prefill(second)
+    assert decoder.stats["prefix_hit_tokens"] == blocks * block
+    cold_decoder = IncrementalDecoder(model, prefill_chunk_size=chunk, prefix_cache=PrefixCache(block_size=block))
+    _, cold = cold_decoder.prefill(second)
+    assert cold_decoder.stats["prefix_hit_tokens"] == 0 and cold.abs().max() > 0
+    assert torch.equal(hit, cold)
 
 
 @settings(max_examples=8, deadline=None)
