@@ -125,3 +125,12 @@ def test_no_tokens_keep_the_initial_state():
                                           randn(2, 0, 1, 4), 4, initial_state=state)
     assert y.shape == (2, 0, 2, 3)
     torch.testing.assert_close(final, state, rtol=0, atol=0)
+
+
+def test_state_dimensions_above_one_block():
+    """dstate and head_dim above the kernels' K block (64): the state dimension is looped over in blocks, the last
+    one partly masked (dstate 80 = 64 + 16), forward and every gradient."""
+    torch.manual_seed(5)
+    inputs = ssd_inputs(1, 10, 1, 2, 72, 80, True, "head")
+    inputs["B"], inputs["C"] = inputs["B"] * 80**-0.5, inputs["C"] * 80**-0.5
+    check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=4)

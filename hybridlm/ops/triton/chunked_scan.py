@@ -43,6 +43,8 @@ from ._common import (
     state_dot_dtype,
 )
 
+_MAX_BLOCK_K = 64  # the state dimension (dstate 128-256) in blocks: registers and shared memory stay bounded
+
 
 @dataclass(frozen=True)
 class Chunks:
@@ -106,7 +108,7 @@ def _chunk_state_kernel(
 ):
     """OUT[c, h] = sum_s w[s] v[s] (outer) k[s] over chunk c: w = the decay from s to the chunk end, or, when
     REVERSE, from the chunk start to s."""
-    c, pid = program_id64(0), tl.program_id(1)
+    c, pid, kb = program_id64(0), tl.program_id(1), tl.program_id(2)
     n_vb = cdiv(DV, BLOCK_V)
     h, vb = pid // n_vb, pid % n_vb
     n_heads = tl.num_programs(1) // n_vb
@@ -115,7 +117,7 @@ def _chunk_state_kernel(
     end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
     g_row = G + row * time * n_heads + h
     g_end = tl.load(g_row + (end - 1) * n_heads)
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     k_base = K + row * sk_b + (h // k_ratio) * sk_h + offs_k[None, :] * sk_d
     v_base = V + row * sv_b + (h // v_ratio) * sv_h + offs_v[None, :] * sv_d
@@ -191,37 +193,46 @@ def _chunk_scan_kernel(
     if m0 >= end:
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_m = offs_m < end
-    mask_k = offs_k < DK
     mask_v = offs_v < DV
     g_row = G + row * time * n_heads + h
     g_m = tl.load(g_row + offs_m * n_heads, mask=mask_m, other=0.0)
-    q = tl.load(Q + row * sq_b + offs_m[:, None] * sq_t + (h // q_ratio) * sq_h + offs_k[None, :] * sq_d,
-                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    q_base = Q + row * sq_b + offs_m[:, None] * sq_t + (h // q_ratio) * sq_h  # + k index * sq_d: [BLOCK_M, K]
+    s_base = S + c * ss_c + h * ss_h + offs_v[None, :] * ss_v  # + k index * ss_k: [K, BLOCK_V], S^T
 
-    state = tl.load(S + c * ss_c + h * ss_h + offs_v[None, :] * ss_v + offs_k[:, None] * ss_k,
-                    mask=mask_k[:, None] & mask_v[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]: S^T
+    acc = tl.full((BLOCK_M, BLOCK_V), 0.0, tl.float32)
+    for k0 in range(0, DK, BLOCK_K):  # the state dimension in blocks of at most BLOCK_K (registers, shared memory)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < DK
+        q = tl.load(q_base + offs_k[None, :] * sq_d, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        state = tl.load(s_base + offs_k[:, None] * ss_k, mask=mask_k[:, None] & mask_v[None, :], other=0.0)
+        acc += mm(q, state, STATE_DOT_DTYPE)
     if REVERSE:
         w_state = tl.exp(tl.load(g_row + (end - 1) * n_heads) - g_m)
     else:
         w_state = tl.exp(g_m)
-    acc = mm(q, state, STATE_DOT_DTYPE) * w_state[:, None]
+    acc = acc * w_state[:, None]
 
     if REVERSE:
         lo, hi = m0, end
     else:
         lo, hi = start, tl.minimum(m0 + BLOCK_M, end)
-    k_base = K + row * sk_b + (h // k_ratio) * sk_h + offs_k[None, :] * sk_d
+    k_base = K + row * sk_b + (h // k_ratio) * sk_h
     v_base = V + row * sv_b + (h // v_ratio) * sv_h + offs_v[None, :] * sv_d
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         g_n = tl.load(g_row + offs_n * n_heads, mask=mask_n, other=0.0)
-        k = tl.load(k_base + offs_n[:, None] * sk_t, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * sv_t, mask=mask_n[:, None] & mask_v[None, :], other=0.0)
-        scores = mm(q, tl.trans(k), DOT_DTYPE)
+        scores = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+        for k0 in range(0, DK, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < DK
+            q = tl.load(q_base + offs_k[None, :] * sq_d, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            k = tl.load(k_base + offs_n[:, None] * sk_t + offs_k[None, :] * sk_d,
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            scores += mm(q, tl.trans(k), DOT_DTYPE)
         if REVERSE:
             keep = offs_n[None, :] >= offs_m[:, None]
             decay = tl.exp(g_n[None, :] - g_m[:, None])
@@ -255,11 +266,11 @@ def chunk_state(k, v, g_cum, chunks: Chunks, reverse: bool = False) -> torch.Ten
     """The state each chunk adds: ``[n_chunks, heads, dim_v, dim_k]`` fp32."""
     heads, dv, dk = v.shape[2], v.shape[3], k.shape[3]
     out = new_buffer((chunks.count, heads, dv, dk), v, torch.float32)
-    block_v = block(dv, maximum=64)
+    block_v, block_k = block(dv, maximum=64), block(dk, maximum=_MAX_BLOCK_K)
     launch(
-        _chunk_state_kernel, (chunks.count, heads * triton.cdiv(dv, block_v)),
+        _chunk_state_kernel, (chunks.count, heads * triton.cdiv(dv, block_v), triton.cdiv(dk, block_k)),
         k, v, g_cum, out, chunks.table, chunks.count, g_cum.shape[1], *_strides(k, heads), *_strides(v, heads),
-        dk, dv, REVERSE=reverse, BLOCK_N=block(chunks.size, maximum=64), BLOCK_K=block(dk), BLOCK_V=block_v,
+        dk, dv, REVERSE=reverse, BLOCK_N=block(chunks.size, maximum=64), BLOCK_K=block_k, BLOCK_V=block_v,
         DOT_DTYPE=dot_dtype(k, v),
     )
     return out
@@ -291,7 +302,7 @@ def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False) ->
         _chunk_scan_kernel, (chunks.count, triton.cdiv(chunks.size, block_m), heads * triton.cdiv(dv, block_v)),
         q, k, v, states, g_cum, out, chunks.table, chunks.count, time,
         *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), dk, dv,
-        REVERSE=reverse, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_K=block(dk), BLOCK_V=block_v,
+        REVERSE=reverse, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_K=block(dk, maximum=_MAX_BLOCK_K), BLOCK_V=block_v,
         DOT_DTYPE=dot_dtype(q, k, v), STATE_DOT_DTYPE=state_dot_dtype(q, k, v),
     )
     return out
