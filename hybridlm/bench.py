@@ -81,7 +81,8 @@ def _fill_kv(state: KVLayout, context: int, generator, chunk: int = 4096) -> Non
         time = min(chunk, context - first)
         keys, values = (torch.randn(batch, state.kv_heads, time, state.head_dim, generator=generator,
                                     dtype=state.dtype) * 0.1 for _ in range(2))
-        view = state.update(keys, values, torch.arange(first, first + time).expand(batch, time), None, None)
+        view = state.update(keys, values if state.takes_values else None,
+                            torch.arange(first, first + time).expand(batch, time), None, None)
         if state.needs_attention_probs:
             n = view.keys.shape[2]
             state.observe(torch.full((batch, state.kv_heads, 1, n), 1.0 / n))

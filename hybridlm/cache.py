@@ -138,6 +138,8 @@ class KVLayout(LayerState):
 
     #: a layout that needs the attention probabilities of each forward (passed to :meth:`observe`)
     needs_attention_probs: ClassVar[bool] = False
+    #: False for a layout whose :meth:`update` takes one latent per token as ``keys`` and ``values=None`` (MLA)
+    takes_values: ClassVar[bool] = True
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                rotate: Rotate | None, mask: torch.Tensor | None) -> KVView:
@@ -289,6 +291,7 @@ class RecurrentState(LayerState):
     history: rollback.StateHistory | None = dataclasses.field(default=None, kw_only=True, repr=False)
     checkpoint_limit: int = dataclasses.field(default=0, kw_only=True)  # tokens kept across forwards (0: none)
     warm: bool = dataclasses.field(default=False, kw_only=True)  # a forward has run through it
+    paused: bool = dataclasses.field(default=False, kw_only=True)  # keep nothing (rollback.unkept_head)
     croppable = True
 
     def _replace(self, fn) -> RecurrentState:

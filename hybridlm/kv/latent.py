@@ -80,6 +80,7 @@ class LatentKV(KVLayout):
                       query_slots=slots[first:], query_positions=positions, in_order=True)
 
     croppable = True
+    takes_values = False
 
     def rewind_blocker(self, tokens: int) -> str | None:
         return None if tokens <= self.length else f"it holds only {self.length} slots"

@@ -66,11 +66,12 @@ def read_any_config(source: str | Path | dict) -> HybridConfig:
     return formats.detect(raw).to_config(raw)
 
 
-def _kv_layouts(states) -> list[KVLayout]:
+def _kv_layouts(cache) -> list[tuple[str, KVLayout]]:
+    """``(mixer kind, layout)`` of every growing state of ``cache``."""
     found = []
-    for state in states:
-        parts = state.parts.values() if isinstance(state, StateGroup) else [state]
-        found += [part for part in parts if isinstance(part, KVLayout)]
+    for kind, state in zip(cache.layer_types, cache.states):
+        parts = state.parts.items() if isinstance(state, StateGroup) else [(kind, state)]
+        found += [(part_kind, part) for part_kind, part in parts if isinstance(part, KVLayout)]
     return found
 
 
@@ -91,14 +92,15 @@ def memory_rows(config: HybridConfig, contexts: list[int], batch: int = 1, kv_bi
     for bits in kv_bits:
         policy = None if bits == 16 else CachePolicy(kv_bits=bits)
         cache = model.new_cache(batch, device="meta", dtype=torch.bfloat16, policy=policy)
-        layouts = _kv_layouts(cache.states)
-        empty_kv = sum(layout.predicted_nbytes(0) for layout in layouts)
+        layouts = _kv_layouts(cache)
+        empty_kv = sum(layout.predicted_nbytes(0) for _, layout in layouts)
         fixed = cache.nbytes() - empty_kv
         empty_by_kind = cache.nbytes_by_kind()
         for context in contexts:
-            kv = sum(layout.predicted_nbytes(context) for layout in layouts)
+            kv = sum(layout.predicted_nbytes(context) for _, layout in layouts)
             by_kind = dict(empty_by_kind)
-            by_kind["attention"] = by_kind.get("attention", 0) - empty_kv + kv
+            for kind, layout in layouts:  # each growing kind (attention, mla) by its own layouts
+                by_kind[kind] += layout.predicted_nbytes(context) - layout.predicted_nbytes(0)
             rows.append(dict(model=name, context=context, kv_bits=bits, batch=batch,
                              bytes_per_token=(kv - empty_kv) / context, bytes_per_request=fixed + kv, kv_bytes=kv,
                              fixed_bytes=fixed, by_kind=by_kind, weight_bytes=weight_bytes))

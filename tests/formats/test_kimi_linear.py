@@ -63,3 +63,22 @@ def test_low_rank_queries_and_the_checkpoints_layer_lists(tmp_path):
     ids = random_ids(VOCAB, 2, 13)
     check_logits(hf, ours, ids)
     check_greedy(hf, ours, ids[:1, :7])
+
+
+def test_memory_report_and_info_count_the_latent_per_token():
+    """``hybridlm memory`` rows put MLA's latent growth under ``mla`` (``kv_lora_rank + rope`` elements per token
+    per layer, bf16) and KDA's fixed state under ``kda``; ``hybridlm info``'s per-token figure agrees."""
+    import torch
+
+    import hybridlm
+    from hybridlm.bench import cache_bytes
+    from hybridlm.kv.memory import memory_rows, read_any_config
+
+    config = read_any_config(tiny_kimi_linear().config.to_dict())
+    (row,) = memory_rows(config, [1000])
+    latent, kda_state = 16 + 4, 2 * 8 * 8 * 4 + 3 * 16 * 3 * 2  # per token; per layer (fp32 matrix + bf16 window)
+    assert row["bytes_per_token"] == latent * 2
+    assert row["by_kind"]["mla"] == 1000 * latent * 2 + 8 and row["by_kind"]["kda"] == 3 * kda_state
+    with torch.device("cpu"):
+        model = hybridlm.HybridForCausalLM(config)
+    assert cache_bytes(model, 64)[1] == latent * 4  # fp32 model
