@@ -9,6 +9,7 @@ changes nothing unless all of them can, so a refused crop leaves the cache as it
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -108,6 +109,9 @@ def start_forward(state, time: int) -> bool:
     forward ran through before: not a prefill), into a history of its own (the state before it and after each
     of its tokens) that the next forward replaces; a one-token forward keeps nothing and costs nothing."""
     warm, state.warm = state.warm, True
+    if state.paused:
+        state.history = None
+        return False
     if state.checkpoint_limit:
         if state.history is None:
             state.history = StateHistory.starting_at(state._tensors(), state.checkpoint_limit + 1)
@@ -117,6 +121,23 @@ def start_forward(state, time: int) -> bool:
         return True
     state.history = None
     return False
+
+
+def unkept_head(state, time: int) -> int:
+    """How many leading tokens of a forward of ``time`` through ``state`` no kept checkpoint needs (asked to
+    keep the last ``n``, a longer forward needs the states of its last ``n`` tokens only)."""
+    limit = getattr(state, "checkpoint_limit", 0)
+    return max(0, time - limit) if limit else 0
+
+
+@contextlib.contextmanager
+def paused(state):
+    """Forwards through ``state`` inside keep no checkpoints; the next one after starts a new history."""
+    state.paused = True
+    try:
+        yield
+    finally:
+        state.paused = False
 
 
 def keep_states(state, per_token: dict[str, torch.Tensor]) -> None:

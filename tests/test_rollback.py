@@ -88,7 +88,7 @@ def test_attention_crop_equals_a_forward_that_stopped_there(layers, warm, k, see
     check_rollback(model, prompt, block, after)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3), moe=st.booleans(), warm=st.integers(1, 7),
        k=st.integers(2, 9), seed=st.integers(0, 99))
 def test_every_kind_crops_to_any_token_of_a_block(kinds, moe, warm, k, seed):
@@ -234,3 +234,46 @@ def test_layouts_that_cannot_roll_back_say_so():
     quantized.crop(-3)
     with pytest.raises(ValueError, match=r"only the last 0 token slots are beyond the 2 \(kv_residual\)"):
         quantized.crop(-1)
+
+
+def test_a_long_forward_keeps_only_the_asked_checkpoints():
+    """Asked for 3, a 10-token forward computes and keeps the states of its last 3 tokens only (the first 7 run
+    without per-token states), and the outputs are those of an unsplit forward."""
+    model = tiny_model(layer_pattern="MSPLDC")
+    ids = random_ids(1, 14)
+    plain, cache = model.new_cache(1), model.new_cache(1)
+    run(model, ids[:, :4], plain)
+    run(model, ids[:, :4], cache)
+    cache.keep_checkpoints(3)
+    assert_close_rel(run(model, ids[:, 4:], cache), run(model, ids[:, 4:], plain))
+    per_state = [s.nbytes() for s in cache.states]
+    assert [s.reserved_nbytes() for s in cache.states] == [4 * n + n for n in per_state]  # 4 entries + the state
+    with pytest.raises(ValueError, match="before its earliest kept checkpoint"):
+        cache.crop(10)
+    cache.crop(11)
+    reference = model.new_cache(1)
+    run(model, ids[:, :11], reference)
+    assert_same_cache(cache, reference)
+
+
+def test_plain_decoding_keeps_nothing():
+    model = tiny_model(layer_pattern="AMSPLDC")
+    cache = model.new_cache(1)
+    run(model, random_ids(1, 6), cache)  # a prefill (cold) keeps nothing either
+    assert all(getattr(s, "history", None) is None for s in cache.states)
+    run(model, random_ids(1, 3, seed=1), cache)  # a warm block keeps its states until the next forward
+    assert all(s.history is not None for s in cache.states[1:])
+    run(model, random_ids(1, 1, seed=2), cache)
+    assert all(s.history is None for s in cache.states[1:])
+    assert all(s.reserved_nbytes() == s.nbytes() for s in cache.states[1:])
+
+
+def test_transformers_hooks():
+    """transformers' assisted generation checks is_croppable and calls activate_past_recording, then crop(-n)."""
+    model = tiny_model(layer_pattern="AM")
+    cache = model.new_cache(1)
+    assert cache.is_croppable
+    cache.activate_past_recording()
+    assert cache.states[1].checkpoint_limit == 64
+    with pytest.raises(ValueError, match="tokens must be an int >= 0"):
+        cache.keep_checkpoints(-1)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import rollback
+
 
 @dataclass(frozen=True, eq=False)
 class Segments:
@@ -109,10 +111,20 @@ def takes_segments(mixer_class: type) -> bool:
     return "segments" in inspect.signature(mixer_class.forward).parameters
 
 
+def _part(t: torch.Tensor | None, start: int, stop: int | None) -> torch.Tensor | None:
+    return None if t is None else t[:, start:stop]
+
+
 def mix(mixer, x: torch.Tensor, state=None, *, mask=None, positions=None, segments: Segments | None = None):
     """``mixer(x, state, mask=..., positions=...)``; with packed ``segments``, each document as if alone: passed
     on to a mixer that takes them, else one call per document."""
     if segments is None:
+        head = rollback.unkept_head(state, x.shape[1])
+        if head:  # rollback keeps the states of the last tokens only: run the others without computing theirs
+            with rollback.paused(state):
+                first = mixer(x[:, :head], state, mask=_part(mask, 0, head), positions=_part(positions, 0, head))
+            rest = mixer(x[:, head:], state, mask=_part(mask, head, None), positions=_part(positions, head, None))
+            return torch.cat([first, rest], dim=1)
         return mixer(x, state, mask=mask, positions=positions)
     if takes_segments(type(mixer)):
         return mixer(x, state, mask=mask, positions=positions, segments=segments)
