@@ -90,3 +90,23 @@ def test_a_paged_cache_decodes_through_the_kernel(monkeypatch):
     assert len(calls) == 7 and calls[0] == (2, 4, 1, 8)
     assert_close_rel(logits["paged"][0], logits["contiguous"][0], rel=1e-5)
     assert_close_rel(logits["paged"][1, 3:], logits["contiguous"][1, 3:], rel=1e-5)
+
+
+def test_page_offsets_do_not_wrap():
+    """fp16 pages 2**30 elements apart: page 4 starts 2**32 elements in, which a 32-bit offset wraps to page 0.
+    Only the pages' memory is touched (8 GiB of address space, a few kB of memory)."""
+    torch.manual_seed(0)
+    shape = (5, 2, 4, 8)
+    pages = []
+    for _ in range(2):
+        t = torch.empty_strided(shape, (2**30, *torch.empty(shape[1:]).stride()), dtype=torch.float16,
+                                device=DEVICE)
+        t.copy_(torch.randn(shape))
+        pages.append(t)
+    q = torch.randn(1, 4, 1, 8, device=DEVICE).half()
+    table, lengths = torch.tensor([[4, 2]], dtype=torch.int32, device=DEVICE), torch.tensor([7], device=DEVICE)
+    got = kernels.paged_attention(q, *pages, table, lengths)
+    expected = paged_attention_ref(q.float(), pages[0].float(), pages[1].float(), table, lengths)
+    wrapped = paged_attention_ref(q.float(), pages[0].float(), pages[1].float(), table * 0, lengths)
+    assert not torch.allclose(expected, wrapped, atol=1e-2)
+    assert_close(got.float(), expected, "page 4", rel=1e-2)
