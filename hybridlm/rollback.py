@@ -108,7 +108,9 @@ def start_forward(state, time: int) -> bool:
     forwards. Otherwise only a forward of 2 to :data:`AUTO_CHECKPOINT_TOKENS` tokens on a warm state (one that a
     forward ran through before: not a prefill), into a history of its own (the state before it and after each
     of its tokens) that the next forward replaces; a one-token forward keeps nothing and costs nothing."""
-    warm, state.warm = state.warm, True
+    warm = state.warm
+    if not warm:
+        state.warm = True
     if state.paused:
         state.history = None
         return False
@@ -119,7 +121,8 @@ def start_forward(state, time: int) -> bool:
     if warm and 1 < time <= AUTO_CHECKPOINT_TOKENS:
         state.history = StateHistory.starting_at(state._tensors(), time + 1)
         return True
-    state.history = None
+    if state.history is not None:  # (plain decoding mutates nothing here: nothing for a compiled step to trace)
+        state.history = None
     return False
 
 
