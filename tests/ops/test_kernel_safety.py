@@ -4,6 +4,7 @@ on the tensors' device, and the CUDA scan declining what it cannot take."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import re
 from pathlib import Path
@@ -238,3 +239,19 @@ def test_build_kernels_command(monkeypatch, capsys):
     monkeypatch.setattr(cuda, "load_library", lambda: built.append(True))
     main(["build-kernels"])
     assert built == [True] and "is built" in capsys.readouterr().out
+
+
+def test_autotuned_kernels_have_a_few_configurations_over_real_arguments():
+    """On the GPU the heavy kernels are autotuned over a few (warps, stages); Triton checks there that the key and
+    the buffers reset or restored between trials are arguments of the kernel: checked here for every one."""
+    modules = {name: importlib.import_module(f"hybridlm.ops.triton.{name}")
+               for name in ("chunked_scan", "selective_scan", "state_update")}
+    assert {"_chunk_state_kernel", "_chunk_scan_kernel", "_scan_fwd_kernel", "_scan_bwd_kernel",
+            "_state_update_kernel"} <= set(_common.TUNING)
+    assert "reset_to_zero" in _common.TUNING["_scan_bwd_kernel"][2]  # atomically accumulated dB, dC
+    assert "restore_value" in _common.TUNING["_state_update_kernel"][2]  # the state, updated in place
+    for name, (configs, key, options) in _common.TUNING.items():
+        kernel = next(getattr(m, name) for m in modules.values() if hasattr(m, name))
+        assert 1 < len(configs) <= 4
+        tuner = _common.autotuned(kernel, configs, key, **options)
+        assert len(tuner.configs) == len(configs) and tuner.keys == key

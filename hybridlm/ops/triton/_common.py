@@ -108,6 +108,27 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
                                 stages=handle.metadata.num_stages, config=dict(key[1:]))
 
 
+TUNING: dict[str, tuple] = {}  # kernel name -> the (configs, key, options) of :func:`tuned`
+
+
+def autotuned(kernel, configs: tuple[tuple[int, int], ...], key: list[str], **options):
+    """``kernel`` autotuned over ``(num_warps, num_stages)`` configurations, re-tuned when the ``key`` arguments
+    change. ``options``: ``restore_value`` for buffers updated in place, ``reset_to_zero`` for accumulated ones
+    (the tuning runs the kernel once per configuration)."""
+    return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key,
+                           **options)(kernel)
+
+
+def tuned(*configs: tuple[int, int], key: list[str], **options):
+    """Decorator: :func:`autotuned` on the GPU; in the interpreter (where warps and stages mean nothing) the
+    kernel as it is, with Triton's default configuration."""
+    def decorate(kernel):
+        TUNING[_name(kernel)] = (configs, key, options)
+        return kernel if INTERPRETED else autotuned(kernel, configs, key, **options)
+
+    return decorate
+
+
 def block(n: int, minimum: int = 16, maximum: int | None = None) -> int:
     """A power-of-two tile width covering ``n`` (at least ``minimum``: tl.dot needs 16 on the GPU)."""
     size = max(minimum, triton.next_power_of_2(max(n, 1)))

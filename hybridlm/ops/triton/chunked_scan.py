@@ -41,6 +41,7 @@ from ._common import (
     program_id64,
     running_total,
     state_dot_dtype,
+    tuned,
 )
 
 _MAX_BLOCK_K = 64  # the state dimension (dstate 128-256) in blocks: registers and shared memory stay bounded
@@ -99,6 +100,7 @@ def _chunk_cumsum_kernel(
     tl.store(OUT + (row * time + t) * n_heads + h, total, mask=mask)
 
 
+@tuned((4, 2), (4, 3), (8, 3), key=["DK", "DV"])
 @triton.jit
 def _chunk_state_kernel(
     K, V, G, OUT, TABLE, n_chunks, time,
@@ -168,6 +170,7 @@ def _state_passing_kernel(
     tl.store(FINAL + (s * n_heads + h) * SIZE + offs, state, mask=mask)
 
 
+@tuned((4, 2), (4, 3), (8, 3), key=["DK", "DV"])
 @triton.jit
 def _chunk_scan_kernel(
     Q, K, V, S, G, OUT, TABLE, n_chunks, time,

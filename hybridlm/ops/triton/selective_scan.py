@@ -32,6 +32,7 @@ from ._common import (
     silu_grad,
     softplus,
     total,
+    tuned,
 )
 
 _CHUNK = 16
@@ -73,6 +74,7 @@ def _row(x, index, BLOCK_T: tl.constexpr):
     return total(tl.where(rows == index, x, 0.0), 0)
 
 
+@tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"])
 @triton.jit
 def _scan_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, INIT, Y, FINAL, STATES,
@@ -120,6 +122,7 @@ def _scan_fwd_kernel(
     tl.store(FINAL + state_offs, h, mask=mask_n[None, :])
 
 
+@tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"], reset_to_zero=["DB", "DC"])
 @triton.jit
 def _scan_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DFINAL,

@@ -12,9 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block, check_device, launch, new_buffer, program_id64, silu, softplus, total
+from ._common import block, check_device, launch, new_buffer, program_id64, silu, softplus, total, tuned
 
 
+@tuned((1, 1), (2, 1), (4, 1), key=["dim", "dstate"], restore_value=["S"])
 @triton.jit
 def _state_update_kernel(
     S, X, DT, A, B, C, D, Z, BIAS, Y, dim, dstate, heads_per_group,
