@@ -10,6 +10,11 @@ prefills only the rest. Chunks are cut at absolute positions (every block bounda
 ``prefill_chunk_size`` tokens inside a block), so a continuation after a hit runs exactly the forwards a cold
 prefill runs and gives identical logits.
 
+The contiguous KV layout's keys and values are stored once per block (a snapshot holds its own block's slots;
+a restore concatenates those of its chain), so a prompt's snapshots cost its KV once plus one copy of the
+fixed-size states per block. Eviction is least recently used first among the last snapshots of their chains
+(a snapshot that a later block's depends on stays), so every stored snapshot can be restored.
+
 >>> cache = PrefixCache(block_size=256, max_bytes=2**30)
 >>> decoder = IncrementalDecoder(model, prefix_cache=cache)
 >>> decoder.generate([system + question], max_new_tokens=32); decoder.stats["prefix_hit_tokens"]
@@ -22,35 +27,36 @@ state shapes and a fingerprint of the weights) under one cache policy.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
 import torch
 
-from .cache import HybridCache, KVLayout, KVState, LayerState, StateGroup
+from .cache import HybridCache, KVLayout
 from .prefix_cache_files import load_snapshots, policy_from_json, policy_json, read_header, save_snapshots
+from .prefix_cache_states import assemble, block_snapshot, check_snapshottable, concat_rows, into_buffers, parts
 
 _SAMPLED_VALUES = 1024  # per weight tensor, in the model fingerprint
 
 
 @dataclasses.dataclass
 class _Entry:
-    snapshot: HybridCache  # one batch row, every layer, after ``blocks`` blocks
+    snapshot: HybridCache  # one batch row, every layer, after ``blocks`` blocks (KV: the last block's slots)
     blocks: int
     nbytes: int
+    parent: str | None  # the key of the block before (None for the first block)
 
 
 class PrefixCache:
     """Snapshots of the whole hybrid state at block boundaries, keyed by a hash chain over the token blocks,
-    evicted least recently used first once their bytes pass ``max_bytes``.
+    evicted least recently used first (chain tails only) once their bytes pass ``max_bytes``.
 
     ``block_size``: tokens per block (a snapshot is taken after each); ``max_bytes``: the budget, counted as the
-    bytes every stored snapshot holds (its tensors as allocated; the contiguous KV layout is stored trimmed to
-    its tokens). A budget below one block's snapshot is an error (raised when the cache meets its model)."""
+    bytes every stored snapshot holds (its tensors as allocated; contiguous KV: its block's slots only). A budget
+    below one block's snapshot is an error (raised when the cache meets its model)."""
 
     def __init__(self, block_size: int = 256, max_bytes: int = 2**30):
         for name, value in (("block_size", block_size), ("max_bytes", max_bytes)):
@@ -59,6 +65,8 @@ class PrefixCache:
         self.block_size = block_size
         self.max_bytes = max_bytes
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
+        self._children: Counter[str] = Counter()  # stored snapshots of the next block, per key
+        self._nbytes = 0
         self._identity: dict | None = None  # signature, weights fingerprint and policy of the model it serves
         self._model: weakref.ref | None = None
 
@@ -67,7 +75,7 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by all stored snapshots (never above ``max_bytes``)."""
-        return sum(entry.nbytes for entry in self._entries.values())
+        return self._nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -87,7 +95,7 @@ class PrefixCache:
             return
         probe = model.new_cache(1, policy=cache_policy)
         for state in probe.states:
-            _check_snapshottable(state)
+            check_snapshottable(state)
         identity = {"signature": repr(probe.signature), "fingerprint": weights_fingerprint(model),
                     "policy": policy_json(cache_policy)}
         if self._identity is not None:
@@ -140,47 +148,68 @@ class PrefixCache:
         keys = [self.block_keys(row) for row in ids]
         hit = self._common_hit(keys, (length - 1) // self.block_size)
         if hit:
-            self._restore(cache, [row[hit - 1] for row in keys])
+            self._restore(cache, [row[:hit] for row in keys])
         logits = None
         for start, stop in _chunks(hit * self.block_size, length, self.block_size, decoder.prefill_chunk_size):
             logits = decoder.model(ids[:, start:stop], cache=cache, logits_to_keep=1).logits
             if stop % self.block_size == 0:
-                self._store(cache, [row[stop // self.block_size - 1] for row in keys], stop // self.block_size)
+                self._store(cache, [row[: stop // self.block_size] for row in keys])
         decoder.stats["prefix_hit_tokens"] = hit * self.block_size
         decoder.stats["prefill_tokens"] = length - hit * self.block_size
         return cache, logits[:, -1]
 
-    def _restore(self, cache: HybridCache, keys: list[str]) -> None:
-        """Load the snapshots of ``keys`` (one per row) into ``cache``, into its own buffers where they fit."""
-        for key in keys:
-            self._entries.move_to_end(key)
-        rows = [self._entries[key].snapshot for key in keys]
-        snapshot = rows[0] if len(rows) == 1 else _concat_rows(rows)
-        cache.states = [_into_buffers(state, empty) for state, empty in zip(snapshot.states, cache.states)]
+    def _restore(self, cache: HybridCache, chains: list[list[str]]) -> None:
+        """Load the snapshot at the end of each row's chain of keys into ``cache``, into its own buffers where
+        they fit; the whole chain counts as used."""
+        for chain in chains:
+            for key in chain:
+                self._entries.move_to_end(key)
+        rows = [assemble([self._entries[key].snapshot for key in chain]) for chain in chains]
+        snapshot = rows[0] if len(rows) == 1 else concat_rows(rows)
+        cache.states = [into_buffers(state, empty) for state, empty in zip(snapshot.states, cache.states)]
         cache.positions.copy_(snapshot.positions)
         cache.seen = snapshot.seen
 
-    def _store(self, cache: HybridCache, keys: list[str], blocks: int) -> None:
-        """Snapshot each row of ``cache`` (``blocks`` blocks seen) under its key, unless already stored."""
-        missing = [row for row, key in enumerate(keys) if key not in self._entries]
-        for key in set(keys) & self._entries.keys():
+    def _store(self, cache: HybridCache, chains: list[list[str]]) -> None:
+        """Snapshot each row of ``cache`` under the last key of its chain (one key per block seen), unless it is
+        stored already or the block before it is not (a chain is stored from its start)."""
+        blocks = len(chains[0])
+        for key in {chain[-1] for chain in chains} & self._entries.keys():
             self._entries.move_to_end(key)
+        missing = [row for row, chain in enumerate(chains)
+                   if chain[-1] not in self._entries and (blocks == 1 or chain[-2] in self._entries)]
         if not missing:
             return
-        compact = _compact(cache)
+        block = block_snapshot(cache, first_slot=(blocks - 1) * self.block_size)
         for row in missing:
-            snapshot = compact if cache.batch_size == 1 else compact.select(torch.tensor([row]))
-            nbytes = snapshot.reserved_nbytes()
-            if nbytes > self.max_bytes:
-                if blocks == 1:
-                    raise ValueError(self._budget_message(nbytes))
-                continue  # a longer prefix than the budget holds: not kept
-            self._entries[keys[row]] = _Entry(snapshot, blocks, nbytes)
-            self._evict()
+            snapshot = block if cache.batch_size == 1 else block.select(torch.tensor([row]))
+            parent = chains[row][-2] if blocks > 1 else None
+            self._add(chains[row][-1], _Entry(snapshot, blocks, snapshot.reserved_nbytes(), parent))
+
+    def _add(self, key: str, entry: _Entry) -> None:
+        if entry.nbytes > self.max_bytes:
+            if entry.blocks == 1:
+                raise ValueError(self._budget_message(entry.nbytes))
+            return  # a block whose snapshot alone exceeds the budget: the chain ends before it
+        self._insert(key, entry)
+        self._evict()
+
+    def _insert(self, key: str, entry: _Entry) -> None:
+        self._entries[key] = entry
+        self._nbytes += entry.nbytes
+        if entry.parent is not None:
+            self._children[entry.parent] += 1
 
     def _evict(self) -> None:
-        while self.nbytes > self.max_bytes:
-            self._entries.popitem(last=False)
+        """Drop snapshots, least recently used first, until the budget holds; only the last snapshot of a chain
+        (one no later block depends on) can go, so every stored snapshot keeps its whole chain."""
+        while self._nbytes > self.max_bytes:
+            key = next(key for key in self._entries if not self._children[key])
+            entry = self._entries.pop(key)
+            self._nbytes -= entry.nbytes
+            del self._children[key]
+            if entry.parent is not None:
+                self._children[entry.parent] -= 1
 
     # --- disk -----------------------------------------------------------------------------------
 
@@ -190,7 +219,8 @@ class PrefixCache:
         if self._identity is None:
             raise ValueError("PrefixCache.save: the cache has not served a model yet (nothing to save)")
         header = {"block_size": self.block_size, "max_bytes": self.max_bytes, **self._identity}
-        save_snapshots(path, header, [(key, entry.blocks, entry.snapshot) for key, entry in self._entries.items()])
+        save_snapshots(path, header, [(key, entry.blocks, entry.parent, entry.snapshot)
+                                      for key, entry in self._entries.items()])
 
     @classmethod
     def load(cls, path, model, max_bytes: int | None = None) -> PrefixCache:
@@ -201,9 +231,9 @@ class PrefixCache:
         cache._identity = {name: header[name] for name in ("signature", "fingerprint", "policy")}
         policy = policy_from_json(header["policy"])
         cache.bind(model, policy)
-        for key, blocks, snapshot in load_snapshots(path, header, model.new_cache(1, policy=policy)):
-            cache._entries[key] = _Entry(snapshot, blocks, snapshot.reserved_nbytes())
-        cache._evict()
+        for key, blocks, parent, snapshot in load_snapshots(path, header, model.new_cache(1, policy=policy)):
+            cache._insert(key, _Entry(snapshot, blocks, snapshot.reserved_nbytes(), parent))
+        cache._evict()  # once all are in, so that no snapshot goes before the later blocks that need it
         return cache
 
 
@@ -252,106 +282,16 @@ def _check_same_model(stored: dict, current: dict) -> None:
                          f"decoder uses cache_policy={current['policy']}")
 
 
-def _parts(state: LayerState) -> list[LayerState]:
-    return list(state.parts.values()) if isinstance(state, StateGroup) else [state]
-
-
-_PLAIN = (torch.Tensor, bool, int, float, str, type(None))
-
-
-def _check_snapshottable(state: LayerState) -> None:
-    """A snapshot clones tensor fields, copies plain values and resets other fields that have a default (a
-    rollback history: a snapshot is a point to continue from, not to roll back from). Refuse a state with any
-    other field (a page pool's host-side tables, say), which a snapshot could not copy faithfully."""
-    for part in _parts(state):
-        if not dataclasses.is_dataclass(part):
-            raise ValueError(f"prefix_cache: the state type {type(part).__name__} cannot be snapshotted")
-        for field in dataclasses.fields(part):
-            value = getattr(part, field.name)
-            if not isinstance(value, _PLAIN) and field.default is dataclasses.MISSING:
-                raise ValueError(f"prefix_cache: the state type {type(part).__name__} cannot be snapshotted (its "
-                                 f"field {field.name!r} holds a {type(value).__name__}, not a tensor)")
-
-
-def _without_transients(state: LayerState) -> LayerState:
-    """``state`` with every field that holds neither a tensor nor a plain value reset to its default."""
-    resets = {field.name: field.default for field in dataclasses.fields(state)
-              if not isinstance(getattr(state, field.name), _PLAIN)}
-    return dataclasses.replace(state, **resets) if resets else state
-
-
 def _predicted_nbytes(probe: HybridCache, tokens: int) -> int:
     """Bytes of a one-row snapshot after ``tokens`` tokens (KV layouts by their formula; a layout without one
     counts as empty, so this is a lower bound then)."""
     total = probe.positions.numel() * probe.positions.element_size()
     for state in probe.states:
-        for part in _parts(state):
+        for part in parts(state):
             try:
                 total += part.predicted_nbytes(tokens) if isinstance(part, KVLayout) else part.nbytes()
             except NotImplementedError:
                 total += part.nbytes()
     return total
-
-
-def _compact(cache: HybridCache) -> HybridCache:
-    """An independent copy of ``cache`` whose contiguous KV buffers hold only the tokens seen (no spare room)."""
-    compact = copy.copy(cache)
-    compact.states = [_trimmed_copy(state) for state in cache.states]
-    compact.positions = cache.positions.clone()
-    return compact
-
-
-def _trimmed_copy(state: LayerState) -> LayerState:
-    if isinstance(state, StateGroup):
-        return StateGroup({name: _trimmed_copy(part) for name, part in state.parts.items()})
-    state = _without_transients(state)
-    if isinstance(state, KVState):  # the tokens seen, not the room reserved for later ones
-        state = dataclasses.replace(state, keys=state.keys[:, :, :state.length],
-                                    values=state.values[:, :, :state.length])
-    return state.clone()
-
-
-def _into_buffers(state: LayerState, empty: LayerState) -> LayerState:
-    """A copy of ``state`` (a snapshot's) written into the tensors of ``empty`` (the fresh cache's) where they
-    fit: the same shape, or a contiguous KV buffer with more room. Keeps the preallocated KV room and the tensors
-    a static decode step may hold on to; a tensor that fits nowhere is cloned."""
-    if isinstance(state, StateGroup):
-        return StateGroup({name: _into_buffers(part, empty.parts[name]) for name, part in state.parts.items()})
-    if type(state) is not type(empty):
-        raise ValueError(f"prefix_cache: a snapshot holds a {type(state).__name__} where this decoder's cache holds "
-                         f"a {type(empty).__name__} (caches made another way, e.g. static); use one PrefixCache per "
-                         "kind of cache")
-    room = isinstance(state, KVState) and empty.keys.shape[2] >= state.length
-    changes = {}
-    for field in dataclasses.fields(state):
-        value, buffer = getattr(state, field.name), getattr(empty, field.name)
-        if not isinstance(value, torch.Tensor):
-            continue
-        fits = isinstance(buffer, torch.Tensor) and buffer.dtype == value.dtype
-        if fits and buffer.shape == value.shape:
-            changes[field.name] = buffer.copy_(value)
-        elif fits and room and field.name in ("keys", "values"):
-            buffer[:, :, :state.length] = value[:, :, :state.length]
-            changes[field.name] = buffer
-        else:
-            changes[field.name] = value.clone()
-    return dataclasses.replace(state, **changes)
-
-
-def _concat_rows(rows: list[HybridCache]) -> HybridCache:
-    """One cache of the rows of one-row snapshots ``rows`` (all after the same number of tokens)."""
-    combined = copy.copy(rows[0])
-    combined.states = [_concat_states([row.states[i] for row in rows]) for i in range(len(rows[0].states))]
-    combined.positions = torch.cat([row.positions for row in rows])
-    return combined
-
-
-def _concat_states(states: list[LayerState]) -> LayerState:
-    first = states[0]
-    if isinstance(first, StateGroup):
-        return StateGroup({name: _concat_states([s.parts[name] for s in states]) for name in first.parts})
-    tensors = {field.name: torch.cat([getattr(s, field.name) for s in states]) for field in dataclasses.fields(first)
-               if isinstance(getattr(first, field.name), torch.Tensor)}
-    return dataclasses.replace(first, **tensors)
 
 

@@ -17,16 +17,17 @@ from .cache import HybridCache, LayerState, StateGroup
 METADATA_KEY = "hybridlm_prefix_cache"
 
 
-def save_snapshots(path, header: dict, entries: list[tuple[str, int, HybridCache]]) -> None:
-    """Write ``(key, blocks, one-row snapshot)`` entries (least recently used first) under ``header``."""
+def save_snapshots(path, header: dict, entries: list[tuple[str, int, str | None, HybridCache]]) -> None:
+    """Write ``(key, blocks, parent key, one-row snapshot)`` entries (least recently used first) under
+    ``header``."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     items = []
-    for index, (key, blocks, snapshot) in enumerate(entries):
+    for index, (key, blocks, parent, snapshot) in enumerate(entries):
         states = [_state_meta(state, f"{index}.{layer}", tensors) for layer, state in enumerate(snapshot.states)]
         tensors[f"{index}.positions"] = snapshot.positions.cpu()
-        items.append({"key": key, "blocks": blocks, "seen": snapshot.seen, "states": states})
+        items.append({"key": key, "blocks": blocks, "parent": parent, "seen": snapshot.seen, "states": states})
     save_file(tensors, str(path), metadata={METADATA_KEY: json.dumps({**header, "entries": items})})
 
 
@@ -40,7 +41,7 @@ def read_header(path) -> dict:
     return json.loads(metadata[METADATA_KEY])
 
 
-def load_snapshots(path, header: dict, template: HybridCache) -> list[tuple[str, int, HybridCache]]:
+def load_snapshots(path, header: dict, template: HybridCache) -> list[tuple[str, int, str | None, HybridCache]]:
     """The entries of the file, rebuilt on ``template`` (an empty one-row cache of the model, on its device)."""
     from safetensors.torch import load_file
 
@@ -51,7 +52,7 @@ def load_snapshots(path, header: dict, template: HybridCache) -> list[tuple[str,
         snapshot.states = [_state_from_meta(empty, meta, f"{index}.{layer}", tensors) for layer, (empty, meta) in
                            enumerate(zip(template.states, item["states"], strict=True))]
         snapshot.positions, snapshot.seen = tensors[f"{index}.positions"], item["seen"]
-        entries.append((item["key"], item["blocks"], snapshot))
+        entries.append((item["key"], item["blocks"], item["parent"], snapshot))
     return entries
 
 

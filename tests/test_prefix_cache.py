@@ -162,6 +162,31 @@ def test_lru_eviction_keeps_the_budget_and_drops_the_least_recently_used():
     assert [cache.cached_tokens(ids[0]) for ids in prompts] == [BLOCK, 0, BLOCK, BLOCK]
 
 
+def test_a_chain_stores_each_blocks_keys_and_values_once(hybrid):
+    cache = PrefixCache(block_size=BLOCK)
+    IncrementalDecoder(hybrid, prefill_chunk_size=5, prefix_cache=cache).prefill(prompt(4 * BLOCK + 1, seed=16))
+    one_block = hybrid.new_cache(1)
+    with torch.no_grad():
+        hybrid(prompt(BLOCK, seed=17), cache=one_block)
+    assert one_block.nbytes_by_kind()["attention"] > 0
+    assert len(cache) == 4 and cache.nbytes == 4 * one_block.nbytes()  # not 1 + 2 + 3 + 4 blocks of keys
+
+
+def test_eviction_takes_the_last_block_of_a_chain_first():
+    model = tiny_model(layer_pattern="MS")
+    probe = PrefixCache(block_size=BLOCK)
+    IncrementalDecoder(model, prefix_cache=probe).prefill(prompt(BLOCK + 1, seed=11))
+    cache = PrefixCache(block_size=BLOCK, max_bytes=3 * probe.nbytes + probe.nbytes // 2)
+    decoder = IncrementalDecoder(model, prefix_cache=cache)
+    chain, other = prompt(3 * BLOCK + 1, seed=18), prompt(BLOCK + 1, seed=19)
+    decoder.prefill(chain)
+    decoder.prefill(other)  # the chain's first block is the oldest, but its later blocks need it: block 3 goes
+    assert [cache.cached_tokens(ids[0]) for ids in (chain, other)] == [2 * BLOCK, BLOCK]
+    decoder.prefill(chain)  # restores blocks 1-2, stores block 3 again: now the other prompt is the oldest tail
+    assert decoder.stats["prefix_hit_tokens"] == 2 * BLOCK
+    assert [cache.cached_tokens(ids[0]) for ids in (chain, other)] == [3 * BLOCK, 0]
+
+
 def test_the_budget_holds_with_growing_attention_snapshots(hybrid):
     cache = PrefixCache(block_size=BLOCK, max_bytes=60_000)
     decoder = IncrementalDecoder(hybrid, prefill_chunk_size=6, prefix_cache=cache)
