@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from hybridlm import CachePolicy
 from hybridlm.cache import KVState, LayerState, StateGroup
+from hybridlm.kv.latent import LatentKV
 from hybridlm.kv.layouts import _WindowKV
 from hybridlm.kv.quantize import QuantizedKV
 from tests.helpers import assert_close_rel, random_ids, tiny_model
@@ -17,8 +18,8 @@ def contents(state: LayerState) -> dict[str, torch.Tensor]:
     if isinstance(state, StateGroup):
         return {f"{name}.{key}": t for name, part in state.parts.items() for key, t in contents(part).items()}
     tensors = state._tensors()
-    if isinstance(state, KVState):
-        tensors = {**tensors, "keys": state.keys[:, :, : state.length], "values": state.values[:, :, : state.length]}
+    if isinstance(state, (KVState, LatentKV)):  # [batch, heads, capacity, width] buffers: the filled slots
+        tensors = {name: t[:, :, : state.seen] if t.dim() == 4 else t for name, t in tensors.items()}
     if isinstance(state, _WindowKV):  # the slots a later token sees (the spill is bookkeeping)
         slots = torch.arange(state.seen)
         index = state._index(slots[(slots < state.pinned) | (slots > state.seen - state.window)])
@@ -76,7 +77,7 @@ def check_rollback(model, prompt, block, after, mask=None, rel=1e-5, policy=None
         assert_close_rel(run(model, after, cache, cont_mask), run(model, after, reference, cont_mask), rel)
 
 
-KINDS = ["attention", "mamba", "mamba2", "performer", "linformer", "gated_deltanet", "short_conv", "none",
+KINDS = ["attention", "mla", "mamba", "mamba2", "performer", "linformer", "gated_deltanet", "short_conv", "none",
          "attention+mamba2", "mamba+performer", "gated_deltanet+short_conv"]
 
 
