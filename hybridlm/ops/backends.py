@@ -1,8 +1,8 @@
 """Which implementation runs each op: the torch reference, our Triton or CUDA kernels, or an installed library.
 
 Backends: ``torch`` (the reference: every op, every device), ``triton`` (:mod:`hybridlm.ops.triton`), ``cuda``
-(our C++ selective scan, :mod:`hybridlm.ops.cuda`), and ``mamba_ssm``, ``causal_conv1d``, ``flash_attn`` when
-installed (adapters in :mod:`hybridlm.ops.external`).
+(our C++ selective scan, :mod:`hybridlm.ops.cuda`), and ``mamba_ssm``, ``causal_conv1d``, ``flash_attn``, ``fla``
+(flash-linear-attention) when installed (adapters in :mod:`hybridlm.ops.external`).
 
 The choice is made per call from the device of the op's first tensor. By default CPU tensors run the reference and
 CUDA tensors the first available backend in :data:`PREFERENCE` that accepts the call (an adapter declines calls its
@@ -45,8 +45,8 @@ from .ssd import ssd_chunk_scan_ref
 
 ENV_VAR = "HYBRIDLM_BACKEND"
 AUTO = "auto"
-BACKENDS = ("torch", "triton", "cuda", "mamba_ssm", "causal_conv1d", "flash_attn")
-LIBRARIES = ("mamba_ssm", "causal_conv1d", "flash_attn")  # third-party backends: one importable package each
+BACKENDS = ("torch", "triton", "cuda", "mamba_ssm", "causal_conv1d", "flash_attn", "fla")
+LIBRARIES = ("mamba_ssm", "causal_conv1d", "flash_attn", "fla")  # third-party backends: one importable package each
 
 # The backends of each op, in the order the default tries them on CUDA tensors (expected fastest first, to be
 # confirmed by benchmarks/gpu_check.sh); the reference always comes last.
@@ -59,7 +59,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "causal_conv1d_update": ("causal_conv1d", "triton", "torch"),
     "causal_linear_attention": ("triton", "torch"),
     "causal_compressed_attention": ("torch",),
-    "gated_delta_rule": ("torch",),
+    "gated_delta_rule": ("fla", "triton", "torch"),
     "gated_delta_rule_step": ("torch",),
     "paged_attention": ("triton", "torch"),
 }

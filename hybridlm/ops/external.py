@@ -1,4 +1,4 @@
-"""Adapters from mamba-ssm, causal-conv1d and flash-attn to the signatures of our references.
+"""Adapters from mamba-ssm, causal-conv1d, flash-attn and flash-linear-attention to our references' signatures.
 
 Each loader imports its library (only when the backend is first used) and returns a function with the reference's
 signature and results. An adapter raises :class:`~hybridlm.ops.backends.Declined`, before doing any work, for a
@@ -140,6 +140,34 @@ def flash_attention():
     return attention
 
 
+def fla_gated_delta_rule():
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return adapt_fla_delta_rule(chunk_gated_delta_rule)
+
+
+def adapt_fla_delta_rule(chunk_gated_delta_rule):
+    """fla's ``chunk_gated_delta_rule(q, k, v, g, beta, scale=, initial_state=, output_final_state=, cu_seqlens=)``
+    (one log gate per head, as many key as value heads) with the reference's signature."""
+
+    def gated_delta_rule(q, k, v, log_gate, beta, *, scale=None, initial_state=None, chunk_size=64,
+                         cu_seqlens=None):
+        if log_gate is not None and log_gate.dim() == 4:
+            raise Declined("channel-wise gates (KDA): fla's KDA kernels take gates in conventions that changed "
+                           "between its versions; not adapted")
+        if v.dtype not in _SCAN_TYPES or q.shape[-1] > 256 or v.shape[-1] > 256:
+            raise Declined(f"fla's chunked delta rule needs fp32/fp16/bf16 and head dims <= 256, got {v.dtype}, "
+                           f"dim_k={q.shape[-1]}, dim_v={v.shape[-1]}")
+        group = v.shape[2] // q.shape[2]  # key heads shared by value heads: repeated, exactly
+        q, k = (t.repeat_interleave(group, dim=2) for t in (q, k))
+        gate = log_gate if log_gate is not None else beta.new_zeros(beta.shape)
+        o, final = chunk_gated_delta_rule(q, k, v, gate.float(), beta, scale=scale, initial_state=initial_state,
+                                          output_final_state=True, cu_seqlens=cu_seqlens)
+        return o, final.float()
+
+    return gated_delta_rule
+
+
 # (backend, op) -> loader returning the adapted function.
 LOADERS = {
     ("mamba_ssm", "selective_scan"): mamba_selective_scan,
@@ -148,4 +176,5 @@ LOADERS = {
     ("causal_conv1d", "causal_conv1d"): causal_conv1d_sequence,
     ("causal_conv1d", "causal_conv1d_update"): causal_conv1d_step,
     ("flash_attn", "attention"): flash_attention,
+    ("fla", "gated_delta_rule"): fla_gated_delta_rule,
 }

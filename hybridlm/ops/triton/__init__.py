@@ -6,6 +6,7 @@ this package is first imported (slow: for tests).
 """
 
 from .causal_conv1d import causal_conv1d, causal_conv1d_update
+from .delta_rule import gated_delta_rule
 from .linear_attention import causal_linear_attention
 from .paged_attention import paged_attention
 from .selective_scan import selective_scan
@@ -16,6 +17,7 @@ __all__ = [
     "causal_conv1d",
     "causal_conv1d_update",
     "causal_linear_attention",
+    "gated_delta_rule",
     "paged_attention",
     "selective_scan",
     "selective_state_update",

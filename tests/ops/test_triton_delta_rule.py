@@ -1,0 +1,74 @@
+"""The Triton gated delta rule against the reference: outputs, final states and every gradient, with per-head
+and per-channel gates, grouped key heads, initial states and packed sequences; outputs poisoned with NaN."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridlm.ops.delta_rule import gated_delta_rule_ref
+from tests.helpers import assert_close_rel
+from tests.ops.triton_support import DEVICE, kernels, poisoned_outputs
+
+NAMES = ("q", "k", "v", "log_gate", "beta", "initial_state")
+
+
+def inputs(batch, time, key_heads, group, dim_k, dim_v, channelwise, seed):
+    g = torch.Generator().manual_seed(seed)
+    heads = key_heads * group
+    q = torch.randn(batch, time, key_heads, dim_k, generator=g)
+    k = F.normalize(torch.randn(batch, time, key_heads, dim_k, generator=g), dim=-1)
+    v = torch.randn(batch, time, heads, dim_v, generator=g)
+    gate_shape = (batch, time, heads, dim_k) if channelwise else (batch, time, heads)
+    log_gate = -torch.rand(*gate_shape, generator=g) * 0.5
+    beta = torch.rand(batch, time, heads, generator=g)
+    state = torch.randn(batch, heads, dim_k, dim_v, generator=g) * 0.3
+    return [t.to(DEVICE) for t in (q, k, v, log_gate, beta, state)]
+
+
+def run_both(tensors, **kwargs):
+    """Outputs and gradients (by name) of the kernel and of the reference, for one random projection."""
+    results = []
+    for op in (kernels.gated_delta_rule, gated_delta_rule_ref):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        with poisoned_outputs():
+            o, final = op(*leaves[:5], initial_state=leaves[5], **kwargs)
+            weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(o.device)
+            ((o * weights).sum() + (final * final.detach()).sum()).backward()
+        results.append((o.detach(), final.detach(), {n: t.grad for n, t in zip(NAMES, leaves)}))
+    return results
+
+
+@pytest.mark.parametrize("shape", [
+    dict(batch=2, time=70, key_heads=1, group=2, dim_k=8, dim_v=5, channelwise=False),  # crosses a checkpoint
+    dict(batch=1, time=9, key_heads=2, group=1, dim_k=5, dim_v=70, channelwise=True),  # two value blocks
+])
+def test_forward_and_gradients_match_the_reference(shape):
+    (o, final, grads), (o_ref, final_ref, grads_ref) = run_both(inputs(**shape, seed=3))
+    assert_close_rel(o, o_ref, rel=1e-5)
+    assert_close_rel(final, final_ref, rel=1e-5)
+    for name in NAMES:
+        assert_close_rel(grads[name], grads_ref[name], rel=1e-4)
+
+
+def test_packed_sequences_and_no_gate():
+    q, k, v, log_gate, beta, _ = inputs(1, 23, 1, 2, 4, 3, False, seed=5)
+    states = torch.randn(3, 2, 4, 3, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    cu = torch.tensor([0, 5, 6, 23], device=DEVICE)
+    for gate in (log_gate, None):
+        tensors = [q, k, v, gate if gate is not None else torch.zeros_like(log_gate), beta, states]
+        (o, final, grads), (o_ref, final_ref, grads_ref) = run_both(tensors, cu_seqlens=cu)
+        assert_close_rel(o, o_ref, rel=1e-5)
+        assert_close_rel(final, final_ref, rel=1e-5)
+        for name in NAMES:
+            assert_close_rel(grads[name], grads_ref[name], rel=1e-4)
+    o, final = kernels.gated_delta_rule(q, k, v, None, beta)
+    o_ref, final_ref = gated_delta_rule_ref(q, k, v, None, beta)
+    assert_close_rel(o, o_ref, rel=1e-5)
+    assert_close_rel(final, final_ref, rel=1e-5)
+
+
+def test_bad_initial_state_for_packed_sequences():
+    q, k, v, log_gate, beta, state = inputs(1, 8, 1, 1, 4, 3, False, seed=0)
+    with pytest.raises(ValueError, match="3 sequences"):
+        kernels.gated_delta_rule(q, k, v, log_gate, beta, initial_state=state,
+                                 cu_seqlens=torch.tensor([0, 2, 4, 8], device=DEVICE))
