@@ -249,3 +249,21 @@ def test_cli_generate_takes_a_page_size(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--ids", "3", "--page-size", "0"])
     assert "page_size=0" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_greedy_speculative_decoding_on_a_paged_cache_equals_greedy(monkeypatch):
+    """transformers' assisted generation crops the cache after each verification: a paged cache gives back its
+    rejected pages and the output is plain greedy's."""
+    rewound = []
+    rewind = PagedKV.rewind
+    monkeypatch.setattr(PagedKV, "rewind", lambda self, tokens: rewound.append(tokens) or rewind(self, tokens))
+    model = tiny_model(layer_pattern="AM")
+    ids = random_ids(1, 12)
+    plain = model.generate(ids, max_new_tokens=10, do_sample=False)
+    for options in [dict(prompt_lookup_num_tokens=3), dict(assistant_model=tiny_model(seed=1, layer_pattern="A"))]:
+        cache = model.new_cache(1, policy=CachePolicy(page_size=4))
+        out = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache, **options)
+        assert isinstance(cache.states[0], PagedKV) and torch.equal(out, plain), options
+        assert any(rewound), options  # some draft tokens were rejected and cropped
+        rewound.clear()
