@@ -35,9 +35,9 @@ from collections.abc import Iterator
 
 import torch
 
+from . import prefix_cache_states as snapshots
 from .cache import HybridCache, KVLayout
 from .prefix_cache_files import load_snapshots, policy_from_json, policy_json, read_header, save_snapshots
-from .prefix_cache_states import assemble, block_snapshot, check_snapshottable, concat_rows, into_buffers, parts
 
 _SAMPLED_VALUES = 1024  # per weight tensor, in the model fingerprint
 
@@ -69,6 +69,7 @@ class PrefixCache:
         self._nbytes = 0
         self._identity: dict | None = None  # signature, weights fingerprint and policy of the model it serves
         self._model: weakref.ref | None = None
+        self._one_row = False  # the model's cache has per-cache host-side tables (paged KV): batch 1 only
 
     # --- sizes ----------------------------------------------------------------------------------
 
@@ -95,7 +96,8 @@ class PrefixCache:
             return
         probe = model.new_cache(1, policy=cache_policy)
         for state in probe.states:
-            check_snapshottable(state)
+            snapshots.check_snapshottable(state)
+        self._one_row = any(snapshots.has_host_tables(state) for state in probe.states)
         identity = {"signature": repr(probe.signature), "fingerprint": weights_fingerprint(model),
                     "policy": policy_json(cache_policy)}
         if self._identity is not None:
@@ -144,6 +146,9 @@ class PrefixCache:
         if mask is not None and not bool(mask.all()):
             raise ValueError("prefix_cache: prompts of different lengths (left-padded rows) are not supported; "
                              "pass prompts of one length, or one prompt per call")
+        if self._one_row and ids.shape[0] > 1:
+            raise ValueError("prefix_cache: with paged KV (host-side block tables per cache) prefix caching takes "
+                             f"one prompt per call, got a batch of {ids.shape[0]}")
         length = ids.shape[1]
         keys = [self.block_keys(row) for row in ids]
         hit = self._common_hit(keys, (length - 1) // self.block_size)
@@ -164,9 +169,9 @@ class PrefixCache:
         for chain in chains:
             for key in chain:
                 self._entries.move_to_end(key)
-        rows = [assemble([self._entries[key].snapshot for key in chain]) for chain in chains]
-        snapshot = rows[0] if len(rows) == 1 else concat_rows(rows)
-        cache.states = [into_buffers(state, empty) for state, empty in zip(snapshot.states, cache.states)]
+        rows = [snapshots.assemble([self._entries[key].snapshot for key in chain]) for chain in chains]
+        snapshot = rows[0] if len(rows) == 1 else snapshots.concat_rows(rows)
+        cache.states = [snapshots.into_buffers(state, empty) for state, empty in zip(snapshot.states, cache.states)]
         cache.positions.copy_(snapshot.positions)
         cache.seen = snapshot.seen
 
@@ -180,7 +185,7 @@ class PrefixCache:
                    if chain[-1] not in self._entries and (blocks == 1 or chain[-2] in self._entries)]
         if not missing:
             return
-        block = block_snapshot(cache, first_slot=(blocks - 1) * self.block_size)
+        block = snapshots.block_snapshot(cache, first_slot=(blocks - 1) * self.block_size)
         for row in missing:
             snapshot = block if cache.batch_size == 1 else block.select(torch.tensor([row]))
             parent = chains[row][-2] if blocks > 1 else None
@@ -287,7 +292,7 @@ def _predicted_nbytes(probe: HybridCache, tokens: int) -> int:
     counts as empty, so this is a lower bound then)."""
     total = probe.positions.numel() * probe.positions.element_size()
     for state in probe.states:
-        for part in parts(state):
+        for part in snapshots.parts(state):
             try:
                 total += part.predicted_nbytes(tokens) if isinstance(part, KVLayout) else part.nbytes()
             except NotImplementedError:

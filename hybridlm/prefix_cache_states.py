@@ -23,27 +23,40 @@ def parts(state: LayerState) -> list[LayerState]:
     return list(state.parts.values()) if isinstance(state, StateGroup) else [state]
 
 
-_PLAIN = (torch.Tensor, bool, int, float, str, type(None))
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _is_plain(value) -> bool:
+    """A tensor, a scalar, or a list of scalars or of such lists (a paged layout's host-side block tables)."""
+    if isinstance(value, list):
+        return all(isinstance(item, (list, *_SCALARS)) and _is_plain(item) for item in value)
+    return isinstance(value, (torch.Tensor, *_SCALARS))
 
 
 def check_snapshottable(state: LayerState) -> None:
-    """A snapshot clones tensor fields, copies plain values and resets other fields that have a default (a
-    rollback history: a snapshot is a point to continue from, not to roll back from). Refuse a state with any
-    other field (a page pool's host-side tables, say), which a snapshot could not copy faithfully."""
+    """A snapshot copies tensors and plain values (scalars, lists of them) and resets any other field that has a
+    default (a rollback history: a snapshot is a point to continue from, not to roll back from). Refuse a state
+    with any other field, which a snapshot could not copy faithfully."""
     for part in parts(state):
         if not dataclasses.is_dataclass(part):
             raise ValueError(f"prefix_cache: the state type {type(part).__name__} cannot be snapshotted")
         for field in dataclasses.fields(part):
             value = getattr(part, field.name)
-            if not isinstance(value, _PLAIN) and field.default is dataclasses.MISSING:
+            if not _is_plain(value) and field.default is dataclasses.MISSING:
                 raise ValueError(f"prefix_cache: the state type {type(part).__name__} cannot be snapshotted (its "
-                                 f"field {field.name!r} holds a {type(value).__name__}, not a tensor)")
+                                 f"field {field.name!r} holds a {type(value).__name__})")
+
+
+def has_host_tables(state: LayerState) -> bool:
+    """Whether a part keeps lists (per-cache host-side tables): rows of its snapshots cannot be concatenated."""
+    return any(isinstance(getattr(part, field.name), list) for part in parts(state)
+               for field in dataclasses.fields(part))
 
 
 def _without_transients(state: LayerState) -> LayerState:
     """``state`` with every field that holds neither a tensor nor a plain value reset to its default."""
     resets = {field.name: field.default for field in dataclasses.fields(state)
-              if not isinstance(getattr(state, field.name), _PLAIN)}
+              if not _is_plain(getattr(state, field.name))}
     return dataclasses.replace(state, **resets) if resets else state
 
 
@@ -63,7 +76,7 @@ def _block_copy(state: LayerState, first_slot: int) -> LayerState:
     if isinstance(state, KVState):
         state = dataclasses.replace(state, keys=state.keys[:, :, first_slot:state.length],
                                     values=state.values[:, :, first_slot:state.length])
-    return state.clone()
+    return state.select(torch.arange(state.batch_size))  # a copy (a paged pool: of the pages in use only)
 
 
 def assemble(chain: list[HybridCache]) -> HybridCache:
@@ -100,6 +113,8 @@ def into_buffers(state: LayerState, empty: LayerState) -> LayerState:
     changes = {}
     for field in dataclasses.fields(state):
         value, buffer = getattr(state, field.name), getattr(empty, field.name)
+        if isinstance(value, list):
+            changes[field.name] = copy.deepcopy(value)
         if not isinstance(value, torch.Tensor):
             continue
         fits = isinstance(buffer, torch.Tensor) and buffer.dtype == value.dtype

@@ -22,6 +22,7 @@ CASES = {
     "quantized-kv": (HYBRID, CachePolicy(kv_bits=4, kv_group_size=8, kv_residual=4)),
     "sinks+window": (HYBRID, CachePolicy(sink_tokens=2, window=6)),
     "heavy-hitters": (HYBRID, CachePolicy(heavy_hitters=3, window=4)),
+    "paged-kv": (HYBRID, CachePolicy(page_size=4)),
     "parallel-layer": (dict(layer_types=["mamba", "attention+mamba2"]), None),  # a state of two parts
 }
 
@@ -198,7 +199,8 @@ def test_the_budget_holds_with_growing_attention_snapshots(hybrid):
     assert len(cache) < 4 * 5  # something was evicted
 
 
-@pytest.mark.parametrize("policy", [None, CachePolicy(kv_bits=4, kv_group_size=8, kv_residual=4)])
+@pytest.mark.parametrize("policy", [None, CachePolicy(kv_bits=4, kv_group_size=8, kv_residual=4),
+                                    CachePolicy(page_size=4)])
 def test_save_and_load_give_identical_continuations(hybrid, tmp_path, policy):
     cache = PrefixCache(block_size=BLOCK)
     decoder = IncrementalDecoder(hybrid, prefill_chunk_size=BLOCK, cache_policy=policy, prefix_cache=cache)
@@ -265,6 +267,8 @@ def test_padded_batches_and_foreign_objects_are_refused(hybrid, tmp_path):
         PrefixCache.load(tmp_path / "other.safetensors", hybrid)
 
 
-def test_a_paged_cache_is_refused(hybrid):
-    with pytest.raises(ValueError, match="PagedKV cannot be snapshotted .its field 'tables'"):
-        IncrementalDecoder(hybrid, cache_policy=CachePolicy(page_size=4), prefix_cache=PrefixCache(block_size=BLOCK))
+def test_paged_kv_takes_one_prompt_per_call(hybrid):
+    decoder = IncrementalDecoder(hybrid, cache_policy=CachePolicy(page_size=4),
+                                 prefix_cache=PrefixCache(block_size=BLOCK))
+    with pytest.raises(ValueError, match="with paged KV .* one prompt per call, got a batch of 2"):
+        decoder.prefill(random_ids(2, BLOCK + 1))
