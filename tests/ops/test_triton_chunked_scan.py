@@ -134,3 +134,12 @@ def test_state_dimensions_above_one_block():
     inputs = ssd_inputs(1, 10, 1, 2, 72, 80, True, "head")
     inputs["B"], inputs["C"] = inputs["B"] * 80**-0.5, inputs["C"] * 80**-0.5
     check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=4)
+
+
+@pytest.mark.parametrize("batch,time,chunk", [(1, 1, 1), (3, 10, 4), (2, 8, 8), (2, 0, 1), (1, 7, 16)])
+def test_fixed_length_chunk_table_built_on_the_device_equals_the_listed_one(batch, time, chunk):
+    chunked_scan = kernels.chunked_scan
+    listed = chunked_scan.split_chunks([(b, 0, time) for b in range(batch)], chunk, DEVICE)
+    built = chunked_scan.uniform_chunks(batch, time, chunk, DEVICE)
+    assert built.table.dtype == built.seqs.dtype == torch.int32 and built.size == listed.size
+    assert torch.equal(built.table, listed.table) and torch.equal(built.seqs, listed.seqs)

@@ -80,6 +80,17 @@ def split_chunks(sequences: list[tuple[int, int, int]], chunk_size: int, device)
     return Chunks(table.to(device), seqs.to(device), chunk_size)
 
 
+def uniform_chunks(batch: int, time: int, chunk_size: int, device) -> Chunks:
+    """:func:`split_chunks` of ``batch`` rows of ``time`` tokens, built on ``device`` (no host-to-device copy, so
+    a fixed-length call can be captured in a CUDA graph)."""
+    per_row = -(-time // chunk_size)
+    c = torch.arange(batch * per_row, device=device, dtype=torch.int32)  # chunk c: row c // per_row
+    start = c % per_row * chunk_size
+    table = torch.stack([c // per_row, start, (start + chunk_size).clamp_max(time)])
+    first = torch.arange(batch, device=device, dtype=torch.int32) * per_row
+    return Chunks(table, torch.stack([first, first + per_row]), chunk_size)
+
+
 # --- kernels ----------------------------------------------------------------------------------------------
 
 
@@ -395,5 +406,6 @@ def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, 
         raise ValueError(f"chunked scan: initial_state must be {expected_state}, got {tuple(initial_state.shape)}")
     if log_decay is None:
         log_decay = v.new_zeros(batch, time, heads, dtype=torch.float32)
-    chunks = split_chunks(spans, max(1, min(chunk_size, time)), v.device)
+    size = max(1, min(chunk_size, time))
+    chunks = uniform_chunks(batch, time, size, v.device) if sequences is None else split_chunks(spans, size, v.device)
     return _ChunkedScan.apply(q, k, v, log_decay, initial_state, chunks)

@@ -200,8 +200,9 @@ def _scan_bwd_kernel(
         tl.store(DU + out_offs, du, mask=mask)
         tl.store(DDELTA + out_offs, ddt, mask=mask)
         group_offs = ((b * n_groups + group) * dstate + offs_n[None, :]) * time + offs_t[:, None]
-        tl.atomic_add(DB + group_offs, total(dh * (dt * u)[:, :, None], 1), mask=mask_tn)
-        tl.atomic_add(DC + group_offs, total(hs * dy[:, :, None], 1), mask=mask_tn)
+        # summed over the block's channels first; relaxed: only the sums matter, not the order of the adds
+        tl.atomic_add(DB + group_offs, total(dh * (dt * u)[:, :, None], 1), mask=mask_tn, sem="relaxed")
+        tl.atomic_add(DC + group_offs, total(hs * dy[:, :, None], 1), mask=mask_tn, sem="relaxed")
         carry = _row(a * dh, 0, BLOCK_T)
     tl.store(DINIT + state_offs, carry, mask=mask_n[None, :])
     tl.store(DA + state_offs, dA, mask=mask_n[None, :])
