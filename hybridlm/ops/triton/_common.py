@@ -68,9 +68,10 @@ _failed: dict[tuple, str] = {}  # (kernel, configuration) -> why it failed: not 
 compiled: dict[str, dict] = {}  # kernel name -> resources of its last compiled launch (for benchmarks/gpu_check.py)
 
 
-def _configuration(kernel, kwargs: dict) -> tuple:
-    constants = tuple(sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, str))))
-    return (_name(kernel), *constants)
+def _configuration(kernel, args: tuple, kwargs: dict) -> tuple:
+    """``(kernel name, (option, value)...)``: what a compile depends on (the constants and the tensors' dtypes)."""
+    dtypes = ",".join(str(a.dtype).removeprefix("torch.") for a in args if isinstance(a, torch.Tensor))
+    return (_name(kernel), *sorted((k, str(v)) for k, v in kwargs.items()), ("dtypes", dtypes))
 
 
 def _name(kernel) -> str:
@@ -89,7 +90,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     kernel and configuration (remembered: the same configuration is not compiled again)."""
     if not all(grid):
         return
-    key = _configuration(kernel, kwargs)
+    key = _configuration(kernel, args, kwargs)
     if key in _failed:
         raise KernelFailed(_failed[key])
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
