@@ -70,6 +70,7 @@ def kernel_errors(device: str, small: bool) -> tuple[list[dict], dict]:
     """Rows of (op, dtype, output, relative error, ok) and the compiled kernels' resources (on a GPU)."""
     from hybridlm.ops.triton import _common
 
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # the reference in full fp32
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
@@ -158,6 +159,7 @@ def large_tensor_probe() -> None:
     """Triton kernels on tensors of more than 2**31 elements: the last rows equal the reference's."""
     from hybridlm.ops import triton as kernels
 
+    torch.backends.cudnn.allow_tf32 = False  # the reference in full fp32
     channels, length = 4160, 2**19  # 2.18e9 bf16 elements
     x = torch.randn(1, channels, length, device="cuda", dtype=torch.bfloat16)
     weight = torch.randn(channels, 4, device="cuda", dtype=torch.bfloat16)

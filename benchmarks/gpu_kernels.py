@@ -333,7 +333,7 @@ def main() -> None:
         raise SystemExit("no CUDA device: these benchmarks need a GPU (use --device cpu --quick for a smoke test)")
     torch.manual_seed(0)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    rows = []
+    rows, goals, out = [], [], Path(args.out)
     for case in (c for c in cases(args.device, args.quick) if args.only in c.name):
         print(f"{case.name} ({case.shape})", flush=True)
         rows += measure(case, args.device, args.repeats)
@@ -342,12 +342,11 @@ def main() -> None:
                 print(f"  {row['backend']:32s} " + (f"{row['ms']:9.3f} ms" if "ms" in row else row["skipped"]))
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    goals = targets(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "benchmarks.md").write_text(markdown(rows, goals, device_name))
-    (out / "benchmarks.json").write_text(json.dumps({"device": device_name, "rows": rows, "targets": goals},
-                                                    indent=1))
+        goals = targets(rows)  # written after every case: a run cut short keeps what it measured
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "benchmarks.md").write_text(markdown(rows, goals, device_name))
+        (out / "benchmarks.json").write_text(json.dumps({"device": device_name, "rows": rows, "targets": goals},
+                                                        indent=1))
     print("\n".join(f"{what}: {verdict}" for what, verdict in goals))
     print(f"wrote {out / 'benchmarks.md'} and {out / 'benchmarks.json'}")
 

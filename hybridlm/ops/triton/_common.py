@@ -103,10 +103,11 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         _failed[key] = (f"Triton kernel {key[0]} ({settings}) failed on {device}: "
                         f"{type(error).__name__}: {first_line}")
         raise KernelFailed(_failed[key]) from error
-    if handle is not None and hasattr(handle, "metadata"):  # compiled (not interpreted): keep its resources
+    meta = getattr(handle, "metadata", None)  # compiled (not interpreted): keep its resources
+    if meta is not None:
         compiled[key[0]] = dict(registers=getattr(handle, "n_regs", None), spills=getattr(handle, "n_spills", None),
-                                shared_bytes=handle.metadata.shared, warps=handle.metadata.num_warps,
-                                stages=handle.metadata.num_stages, config=dict(key[1:]))
+                                shared_bytes=getattr(meta, "shared", None), warps=getattr(meta, "num_warps", None),
+                                stages=getattr(meta, "num_stages", None), config=dict(key[1:]))
 
 
 TUNING: dict[str, tuple] = {}  # kernel name -> the (configs, key, options) of :func:`tuned`
