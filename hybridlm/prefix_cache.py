@@ -13,7 +13,7 @@ prefill runs and gives identical logits.
 The contiguous KV layout's keys and values are stored once per block (a snapshot holds its own block's slots;
 a restore concatenates those of its chain), so a prompt's snapshots cost its KV once plus one copy of the
 fixed-size states per block. Eviction is least recently used first among the last snapshots of their chains
-(a snapshot that a later block's depends on stays), so every stored snapshot can be restored.
+(a snapshot that a later block's snapshot depends on stays), so every stored snapshot can be restored.
 
 >>> cache = PrefixCache(block_size=256, max_bytes=2**30)
 >>> decoder = IncrementalDecoder(model, prefix_cache=cache)
@@ -21,8 +21,9 @@ fixed-size states per block. Eviction is least recently used first among the las
 
 Limits: the last prompt token is always prefilled (its logits start decoding), so a hit covers at most
 ``(length - 1) // block_size`` blocks; rows of a batch share one hit length (the longest prefix every row has
-cached) and padded batches (prompts of different lengths) are refused; a cache serves one model (layer kinds,
-state shapes and a fingerprint of the weights) under one cache policy.
+cached) and padded batches (prompts of different lengths) are refused, as are batches of several rows with
+paged KV; a cache serves one model (layer kinds, state shapes and a fingerprint of the weights) under one cache
+policy.
 """
 
 from __future__ import annotations
@@ -97,7 +98,6 @@ class PrefixCache:
         probe = model.new_cache(1, policy=cache_policy)
         for state in probe.states:
             snapshots.check_snapshottable(state)
-        self._one_row = any(snapshots.has_host_tables(state) for state in probe.states)
         identity = {"signature": repr(probe.signature), "fingerprint": weights_fingerprint(model),
                     "policy": policy_json(cache_policy)}
         if self._identity is not None:
@@ -106,6 +106,7 @@ class PrefixCache:
         if one_block > self.max_bytes:
             raise ValueError(self._budget_message(one_block))
         self._identity, self._model = identity, weakref.ref(model)
+        self._one_row = any(snapshots.has_host_tables(state) for state in probe.states)
 
     def _budget_message(self, one_block: int) -> str:
         return (f"PrefixCache: max_bytes={self.max_bytes:,} is below one block's snapshot ({one_block:,} bytes for "

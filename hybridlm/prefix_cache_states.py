@@ -1,7 +1,7 @@
 """What a prefix-cache snapshot is made of, and how it goes back into a live cache.
 
 A snapshot is an independent copy of one batch row of a :class:`~hybridlm.HybridCache` after a block boundary.
-Fixed-size states (SSM, conv windows, running sums, rings, quantized KV) are copied whole. The contiguous KV
+Most states (SSM, conv windows, running sums, rings, quantized and paged KV) are copied whole. The contiguous KV
 layout (:class:`~hybridlm.cache.KVState` and its subclasses) holds only the slots of the snapshot's own block:
 the earlier ones are in the snapshots of the earlier blocks of its chain, so a prompt's keys and values are
 stored once, not once per block; :func:`assemble` concatenates them again for a restore.
@@ -15,8 +15,6 @@ import dataclasses
 import torch
 
 from .cache import HybridCache, KVState, LayerState, StateGroup
-
-_PLAIN = (torch.Tensor, bool, int, float, str, type(None))
 
 
 def parts(state: LayerState) -> list[LayerState]:
@@ -113,8 +111,9 @@ def into_buffers(state: LayerState, empty: LayerState) -> LayerState:
     changes = {}
     for field in dataclasses.fields(state):
         value, buffer = getattr(state, field.name), getattr(empty, field.name)
-        if isinstance(value, list):
+        if isinstance(value, list):  # host-side tables: the live cache changes them in place
             changes[field.name] = copy.deepcopy(value)
+            continue
         if not isinstance(value, torch.Tensor):
             continue
         fits = isinstance(buffer, torch.Tensor) and buffer.dtype == value.dtype
