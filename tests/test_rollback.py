@@ -77,7 +77,7 @@ def check_rollback(model, prompt, block, after, mask=None, rel=1e-5, policy=None
         assert_close_rel(run(model, after, cache, cont_mask), run(model, after, reference, cont_mask), rel)
 
 
-KINDS = ["attention", "mla", "mamba", "mamba2", "performer", "linformer", "gated_deltanet", "short_conv", "none",
+KINDS = ["attention", "mla", "mamba", "mamba2", "performer", "linformer", "gated_deltanet", "kda", "short_conv", "none",
          "attention+mamba2", "mamba+performer", "gated_deltanet+short_conv"]
 
 

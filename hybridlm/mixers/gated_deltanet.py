@@ -38,6 +38,26 @@ def check_positive(config, names) -> None:
             raise invalid_config(name, getattr(config, name), "must be > 0")
 
 
+def run_delta_rule(state: SSMState | None, q, k, v, log_gate, beta, chunk_size: int, windows, packed: dict):
+    """The delta rule over the new tokens (``ops.gated_delta_rule`` arguments; a one-token step on a warm state),
+    ``state.ssm`` updated in place; with conv ``windows`` (rollback tracking), the state after each token kept.
+    Returns ``o [batch, time, heads, dim_v]``. Shared by Gated DeltaNet and KDA."""
+    if state is not None and q.shape[1] == 1:
+        o = ops.gated_delta_rule_step(state.ssm, q[:, 0], k[:, 0], v[:, 0], log_gate[:, 0], beta[:, 0])
+        if windows is not None:
+            state.keep_states(conv=windows, ssm=state.ssm.unsqueeze(1))
+        return o.unsqueeze(1)  # [batch, 1, heads, dim_v]
+    o, final = ops.gated_delta_rule(q, k, v, log_gate, beta, chunk_size=chunk_size,
+                                    initial_state=state.ssm if state is not None else None, **packed)
+    if windows is not None:  # the reference's chunked WY form, whichever backend ran the forward
+        per_token = gated_delta_rule_states(k, v, log_gate, beta, state.ssm, chunk_size)
+    if state is not None:
+        state.ssm.copy_(final)
+    if windows is not None:
+        state.keep_states(conv=windows, ssm=per_token)
+    return o
+
+
 @register("gated_deltanet")
 class GatedDeltaNet(Mixer):
     pattern_letter = "D"
@@ -103,20 +123,7 @@ class GatedDeltaNet(Mixer):
         beta = zero_padding(torch.sigmoid(at_least_fp32(b)) * self.beta_scale, mask)
         decay_rate = at_least_fp32(self.A_log).exp()  # [heads]
         log_gate = zero_padding(-decay_rate * F.softplus(at_least_fp32(a) + self.dt_bias), mask)
-        if state is not None and time == 1:
-            o = ops.gated_delta_rule_step(state.ssm, q[:, 0], k[:, 0], v[:, 0], log_gate[:, 0], beta[:, 0])
-            o = o.unsqueeze(1)  # [batch, 1, heads, dim_v]
-            if track:
-                state.keep_states(conv=windows, ssm=state.ssm.unsqueeze(1))
-        else:
-            o, final = ops.gated_delta_rule(q, k, v, log_gate, beta, chunk_size=self.chunk_size,
-                                            initial_state=state.ssm if state is not None else None, **packed)
-            if track:  # the reference's chunked WY form, whichever backend ran the forward
-                per_token = gated_delta_rule_states(k, v, log_gate, beta, state.ssm, self.chunk_size)
-            if state is not None:
-                state.ssm.copy_(final)
-            if track:
-                state.keep_states(conv=windows, ssm=per_token)
+        o = run_delta_rule(state, q, k, v, log_gate, beta, self.chunk_size, windows if track else None, packed)
         o = self.norm(o.to(x.dtype), z.view(batch, time, self.heads, self.dim_v))  # [batch, time, heads, dim_v]
         out = self.out_proj(o.reshape(batch, time, self.value_dim))  # [batch, time, hidden]
         return out if segments is None else segments.rows(out)

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
 from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import RMSNorm, at_least_fp32
+from ..ops.causal_conv1d import causal_conv1d_windows
 from .base import Mixer, invalid_config, register, zero_padding
-from .gated_deltanet import check_positive, l2_normalize
+from .gated_deltanet import check_positive, l2_normalize, run_delta_rule
 from .segments import check_stateless
 
 
@@ -82,9 +82,11 @@ class KimiDeltaAttention(Mixer):
             check_stateless("kda", state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
+        track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [batch, time, conv channels]
-        qkv = self.conv1d(zero_padding(qkv, mask).transpose(1, 2), state.conv if state is not None else None,
-                          **packed).transpose(1, 2)
+        conv_in = zero_padding(qkv, mask).transpose(1, 2)  # [batch, conv channels, time]
+        windows = causal_conv1d_windows(conv_in, state.conv) if track else None
+        qkv = self.conv1d(conv_in, state.conv if state is not None else None, **packed).transpose(1, 2)
         q, k, v = qkv.split([self.heads * self.dim_k] * 2 + [self.heads * self.dim_v], dim=-1)
         q = l2_normalize(q.view(batch, time, self.heads, self.dim_k))  # [batch, time, heads, dim_k]
         k = l2_normalize(k.view(batch, time, self.heads, self.dim_k))
@@ -93,14 +95,7 @@ class KimiDeltaAttention(Mixer):
         decay = at_least_fp32(self.f_b_proj(self.f_a_proj(x))) + self.dt_bias  # [batch, time, heads * dim_k]
         rate = at_least_fp32(self.A_log).exp()[:, None]  # [heads, 1]
         log_gate = zero_padding(-rate * F.softplus(decay.view(batch, time, self.heads, self.dim_k)), mask)
-        if state is not None and time == 1:
-            o = ops.gated_delta_rule_step(state.ssm, q[:, 0], k[:, 0], v[:, 0], log_gate[:, 0], beta[:, 0])
-            o = o.unsqueeze(1)  # [batch, 1, heads, dim_v]
-        else:
-            o, final = ops.gated_delta_rule(q, k, v, log_gate, beta, chunk_size=self.chunk_size,
-                                            initial_state=state.ssm if state is not None else None, **packed)
-            if state is not None:
-                state.ssm.copy_(final)
+        o = run_delta_rule(state, q, k, v, log_gate, beta, self.chunk_size, windows, packed)  # [b, t, heads, dim_v]
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, time, self.heads, self.dim_v)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(gate)  # [batch, time, heads, dim_v]
         out = self.o_proj(o.reshape(batch, time, -1))  # [batch, time, hidden]

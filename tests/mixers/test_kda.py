@@ -72,3 +72,12 @@ def test_value_heads_must_equal_key_heads():
     with pytest.raises(ValueError, match=r"deltanet_num_value_heads=4 is invalid: kda layers need as many value"):
         tiny_config(layer_types=["kda"], deltanet_num_key_heads=2, deltanet_num_value_heads=4)
     assert MIXERS["kda"].pattern_letter == "K"
+
+
+def test_a_kda_cache_crops_to_any_token_of_a_block():
+    """Rollback (speculative decoding): the per-token states KDA keeps make a crop exact."""
+    from tests.helpers import random_ids, tiny_model
+    from tests.test_rollback import check_rollback
+
+    model = tiny_model(1, layer_pattern="KA", **SIZES)
+    check_rollback(model, random_ids(2, 5, seed=1), random_ids(2, 4, seed=2), random_ids(2, 2, seed=3))
