@@ -23,11 +23,22 @@ import torch.nn.functional as F
 IGNORE = -100
 #: The model shapes of the benchmark: ``layer_pattern`` of each named mixer (Zoology's 2 layers; the hybrids
 #: and their all-Mamba-2 twin have 4). The hybrids put attention last in each group, after the Mamba-2 layers
-#: whose convolutions can shift the previous token in.
+#: whose convolutions can shift the previous token in. ``conv-attention`` is Zoology's own attention baseline:
+#: each attention layer preceded by a short convolution (LFM2's gated one here, width 3 as Zoology's BaseConv),
+#: which hands attention the previous token; plain ``attention`` must learn that shift itself, and on a CPU
+#: budget it learns it slowly (docs/mqar.md).
 MIXER_PATTERNS = {
-    "attention": "AA", "mamba": "MM", "mamba2": "SS", "performer": "PP", "linformer": "LL",
-    "mamba2-4layer": "SSSS", "hybrid-1:1": "SASA", "hybrid-1:3": "SSSA",
+    "attention": "AA", "conv-attention": "CACA", "mamba": "MM", "mamba2": "SS", "performer": "PP",
+    "linformer": "LL", "mamba2-4layer": "SSSS", "hybrid-1:1": "SASA", "hybrid-1:3": "SSSA",
 }
+#: Letters of the layer kinds whose state has no size to choose (attention's grows, the short conv's is its
+#: window): a model made of these alone takes ``state_size=None``.
+_UNSIZED_LETTERS = frozenset("AC")
+
+
+def needs_state_size(mixer: str) -> bool:
+    """Whether benchmark model ``mixer`` has a fixed-size state whose dimension ``state_size`` sets."""
+    return not set(MIXER_PATTERNS[mixer]) <= _UNSIZED_LETTERS
 
 
 @dataclass
@@ -140,15 +151,15 @@ def mqar_config(mixer: str, hidden_size: int, state_size: int | None, seq_len: i
     """The :class:`~hybridlm.HybridConfig` of benchmark model ``mixer`` (a key of :data:`MIXER_PATTERNS`):
     no MLPs (Zoology's MQAR models are mixers only), tied embeddings, heads of width 32. ``state_size`` is the
     recurrent state dimension of the fixed-state kinds (Mamba/Mamba-2 ``d_state``, Performer features,
-    Linformer rank); attention has none."""
+    Linformer rank); attention and conv-attention have none."""
     from ..config import HybridConfig
 
     if mixer not in MIXER_PATTERNS:
         raise ValueError(f"mixer must be one of {', '.join(MIXER_PATTERNS)}, got {mixer!r}")
     pattern = MIXER_PATTERNS[mixer]
-    if mixer == "attention":
+    if not needs_state_size(mixer):
         if state_size is not None:
-            raise ValueError("state_size must be None for attention: its state is the KV cache")
+            raise ValueError(f"state_size must be None for {mixer}: its state is the KV cache (and conv windows)")
     elif state_size is None:
         raise ValueError(f"mixer {mixer!r} needs a state_size")
     state = state_size or 16
