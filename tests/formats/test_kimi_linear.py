@@ -82,3 +82,15 @@ def test_memory_report_and_info_count_the_latent_per_token():
     with torch.device("cpu"):
         model = hybridlm.HybridForCausalLM(config)
     assert cache_bytes(model, 64)[1] == latent * 4  # fp32 model
+
+
+@pytest.mark.parametrize("config, message", [
+    (dict(layer_types=["linear_attention", "sliding_attention"], mlp_layer_types=["dense"] * 2),
+     r"layer_types \['sliding_attention'\] are not supported"),
+    (dict(num_key_value_heads=8, num_attention_heads=32), "num_key_value_heads=8 is not supported"),
+])
+def test_what_hybridlm_cannot_read_is_named(config, message):
+    from hybridlm.formats.base import to_hybrid_config
+
+    with pytest.raises(ValueError, match=message):
+        to_hybrid_config(dict(model_type="kimi_linear", num_hidden_layers=2, **config))

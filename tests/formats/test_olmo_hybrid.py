@@ -62,3 +62,11 @@ def test_post_norm_layers_must_name_layers():
 
     with pytest.raises(ValueError, match=r"HybridConfig.post_norm_layers=\[4\] is invalid"):
         hybridlm.HybridConfig(layer_pattern="DDDA", hidden_size=32, post_norm_layers=[4])
+
+
+def test_an_unknown_layer_type_is_named():
+    from hybridlm.formats.base import to_hybrid_config
+
+    with pytest.raises(ValueError, match=r"olmo_hybrid config: layer_types \['conv'\] are not supported"):
+        to_hybrid_config(dict(model_type="olmo_hybrid", layer_types=["linear_attention", "conv"], num_hidden_layers=2,
+                              vocab_size=300, pad_token_id=0, eos_token_id=1))
