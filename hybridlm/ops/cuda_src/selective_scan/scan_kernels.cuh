@@ -267,6 +267,7 @@ __global__ void __launch_bounds__(kThreads) scan_backward_kernel(ScanBackward p)
   const int chunks = num_chunks(args.seqlen);
   __shared__ float adjoint[kMaxState];  // dL/dh at the end of the current chunk
   __shared__ float dA[kMaxState];
+  __shared__ float staged_dB[kChunk], staged_dC[kChunk];  // one state's dB, dC of the chunk, in time order
   __shared__ ChainScratch scratch;
   for (int n = threadIdx.x; n < args.dstate; n += kThreads) {
     adjoint[n] = p.dfinal_state != nullptr ? p.dfinal_state[row.state_row + n] : 0.f;
@@ -320,11 +321,8 @@ __global__ void __launch_bounds__(kThreads) scan_backward_kernel(ScanBackward p)
       for (int i = kItems - 1; i >= 0; --i) {
         const float grad_h = Cn[i] * dy[i] + later;  // dL/dh[t]
         const float grad_decay = grad_h * before[i];
-        const int t = t0 + i;
-        if (t < args.seqlen) {
-          atomicAdd(dC + int64_t(n) * args.seqlen + t, dy[i] * (decay[i] * before[i] + drive[i]));
-          atomicAdd(dB + int64_t(n) * args.seqlen + t, grad_h * dt[i] * uu[i]);
-        }
+        staged_dC[threadIdx.x * kItems + i] = dy[i] * (decay[i] * before[i] + drive[i]);
+        staged_dB[threadIdx.x * kItems + i] = grad_h * dt[i] * uu[i];
         du[i] += grad_h * dt[i] * Bn[i];
         ddt[i] += grad_h * Bn[i] * uu[i] + grad_decay * decay[i] * row.A[n];
         dA_n += grad_decay * decay[i] * dt[i];
@@ -332,6 +330,17 @@ __global__ void __launch_bounds__(kThreads) scan_backward_kernel(ScanBackward p)
       }
       dA_n = warp_sum(dA_n);
       if (lane == 0) atomicAdd(dA + n, dA_n);
+      // dB, dC are shared by the channels (blocks): added with striped ownership, consecutive threads on
+      // consecutive time steps, so that a warp's atomics coalesce
+      __syncthreads();
+      for (int j = threadIdx.x; j < kChunk; j += kThreads) {
+        const int t = c * kChunk + j;
+        if (t < args.seqlen) {
+          atomicAdd(dC + int64_t(n) * args.seqlen + t, staged_dC[j]);
+          atomicAdd(dB + int64_t(n) * args.seqlen + t, staged_dB[j]);
+        }
+      }
+      __syncthreads();
     }
 #pragma unroll
     for (int i = 0; i < kItems; ++i) {
