@@ -93,7 +93,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     key = _configuration(kernel, args, kwargs)
     if key in _failed:
         raise KernelFailed(_failed[key])
-    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     try:
         with device_guard(device):
             handle = kernel[grid](*args, **kwargs)
