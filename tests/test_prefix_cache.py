@@ -218,6 +218,18 @@ def test_save_and_load_give_identical_continuations(hybrid, tmp_path, policy):
     assert reloaded.stats["prefix_hit_tokens"] == 2 * BLOCK
 
 
+def test_loading_under_a_smaller_budget_drops_chain_tails(tmp_path):
+    model = tiny_model(layer_pattern="MS")
+    cache = PrefixCache(block_size=BLOCK)
+    decoder = IncrementalDecoder(model, prefix_cache=cache)
+    chain = prompt(3 * BLOCK + 1, seed=40)
+    decoder.prefill(chain)
+    cache.save(tmp_path / "prefix.safetensors")
+    one = cache.nbytes // 3
+    loaded = PrefixCache.load(tmp_path / "prefix.safetensors", model, max_bytes=2 * one + one // 2)
+    assert len(loaded) == 2 and loaded.cached_tokens(chain[0]) == 2 * BLOCK
+
+
 # --- bad input ----------------------------------------------------------------------------------
 
 
