@@ -1,7 +1,7 @@
 """hybridlm against transformers on the CPU: the same weights, the same input, side by side in one run.
 
-For a Jamba-, a Mamba-2- and a Bamba-shaped model of a few million parameters, built by transformers with a fixed
-seed and loaded by hybridlm from the directory transformers wrote, it measures
+For a Jamba-, a Mamba-2-, a Bamba- and a Qwen3-Next-shaped model of a few million parameters, built by
+transformers with a fixed seed and loaded by hybridlm from the directory transformers wrote, it measures
 
 * prefill: one cached forward over ``--prefill`` tokens (2048), logits of the last token only;
 * decode: ms per token of single-token steps after a ``--context``-token (4096) prompt,
@@ -9,7 +9,8 @@ seed and loaded by hybridlm from the directory transformers wrote, it measures
 and prints medians and the ratio transformers / hybridlm (> 1: hybridlm is faster). The two libraries take turns
 (prefill by prefill, decode step by decode step), so that a change in machine load affects both alike.
 
-    python benchmarks/hf_speed.py [--models jamba mamba2 bamba] [--prefill 2048] [--context 4096] [--threads 1]
+    python benchmarks/hf_speed.py [--models jamba mamba2 bamba qwen3_next] [--prefill 2048] [--context 4096]
+                                  [--threads 1]
 
 On a machine shared with other jobs, ``--threads 1`` gives far steadier numbers: with more threads than free
 cores, both libraries' many small ops wait on each other's threads.
@@ -56,7 +57,18 @@ def bamba() -> transformers.PreTrainedModel:
     ))
 
 
-MODELS = {"jamba": jamba, "mamba2": mamba2, "bamba": bamba}
+def qwen3_next() -> transformers.PreTrainedModel:
+    """8 layers, Gated DeltaNet : gated attention 3:1 (4 key / 8 value heads of 64), top-2 MoE over 4 experts with a
+    gated shared expert in every layer."""
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        vocab_size=VOCAB, hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+        linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+        shared_expert_intermediate_size=256,
+    ))
+
+
+MODELS = {"jamba": jamba, "mamba2": mamba2, "bamba": bamba, "qwen3_next": qwen3_next}
 
 
 def prefill_seconds(model, ids: torch.Tensor) -> float:
