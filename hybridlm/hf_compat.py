@@ -42,7 +42,8 @@ class GenerationSupport:
 
         assisted = generation_mode == GenerationMode.ASSISTED_GENERATION or generation_config.is_assistant
         if assisted and model_kwargs.get("cache") is None and generation_config.use_cache is not False:
-            model_kwargs["cache"] = self.new_cache(batch_size, max_length=max_cache_length)
+            model_kwargs["cache"] = self.new_cache(batch_size, max_length=max_cache_length,
+                                                   policy=model_kwargs.get("cache_policy"))
             if generation_config.is_assistant:  # its drafts are cropped after the target's verification
                 model_kwargs["cache"].activate_past_recording()
 

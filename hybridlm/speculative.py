@@ -74,8 +74,9 @@ class DraftModelDrafter:
         self.model, self.settings, self.generator = model, settings, generator
         self.cache: HybridCache | None = None
 
-    def start(self, ids: torch.Tensor, mask: torch.Tensor | None, reserve: int) -> None:
+    def start(self, ids: torch.Tensor, mask: torch.Tensor | None, reserve: int, draft_tokens: int) -> None:
         self.cache, _ = self.decoder.prefill(ids, mask, reserve=reserve)
+        self.cache.keep_checkpoints(draft_tokens)  # a round's one-token draft steps are undone after verification
 
     def propose(self, tokens: torch.Tensor, k: int):
         """``(drafts [batch, k], lengths [batch], q [batch, k, vocab] or None when greedy)``."""
@@ -112,7 +113,7 @@ class PromptLookupDrafter:
         self.max_ngram, self.vocab_size, self.settings = max_ngram, vocab_size, settings
         self.padding: list[int] = []
 
-    def start(self, ids: torch.Tensor, mask: torch.Tensor | None, reserve: int) -> None:
+    def start(self, ids: torch.Tensor, mask: torch.Tensor | None, reserve: int, draft_tokens: int) -> None:
         self.padding = [0] * ids.shape[0] if mask is None else (~mask).sum(-1).tolist()
 
     def propose(self, tokens: torch.Tensor, k: int):
@@ -199,7 +200,7 @@ def speculative_stream(decoder, prompts, settings: SamplingSettings) -> Iterator
         drafter = DraftModelDrafter(spec.draft_model, settings, generator, decoder.prefill_chunk_size)
     else:
         drafter = PromptLookupDrafter(spec.prompt_lookup, model.config.vocab_size, settings)
-    drafter.start(ids, mask, reserve=settings.max_new_tokens + spec.num_draft_tokens)
+    drafter.start(ids, mask, settings.max_new_tokens + spec.num_draft_tokens, spec.num_draft_tokens)
     stops = torch.tensor(list(settings.stop_tokens), dtype=torch.long, device=device)
     active = torch.arange(ids.shape[0], device=device)  # rows still generating, in cache order
     new = choose_next(logits, settings, generator)[:, None]  # [active, tokens emitted this round]

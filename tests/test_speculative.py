@@ -8,10 +8,13 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridlm import SpeculativeDecoding
 from hybridlm import speculative as spec_module
 from hybridlm.generation import IncrementalDecoder, SamplingSettings, sampling_probs
+from hybridlm.mixers import MIXERS
 from hybridlm.speculative import verify
 from tests.helpers import tiny_model
 
@@ -67,6 +70,25 @@ def test_greedy_speculative_single_row_stops_and_short_budgets():
     first = int(plain.generate([PROMPTS[0]], max_new_tokens=3)[0, -1])  # a stop token met inside an accepted block
     assert torch.equal(decoder.generate([PROMPTS[0]], max_new_tokens=10, stop_tokens=[first]),
                        plain.generate([PROMPTS[0]], max_new_tokens=10, stop_tokens=[first]))
+
+
+@settings(max_examples=6, deadline=None)
+@given(stack=st.lists(st.sampled_from(sorted(MIXERS)), min_size=1, max_size=3), k=st.integers(1, 5),
+       seed=st.integers(0, 99))
+def test_greedy_speculative_equals_greedy_on_hybrid_stacks(stack, k, seed):
+    """Every state kind rolls back: recurrent ones in the target (a verification block) and in the draft (its
+    one-token draft steps, kept with ``keep_checkpoints``); both routes, the decoder's with a padded batch."""
+    target = tiny_model(seed, layer_types=stack)
+    draft = perturbed_copy(target, 0.1)
+    expected = IncrementalDecoder(target).generate(PROMPTS, max_new_tokens=12)
+    for speculative in (SpeculativeDecoding(draft_model=draft, num_draft_tokens=k),
+                        SpeculativeDecoding(prompt_lookup=2, num_draft_tokens=k)):
+        assert torch.equal(IncrementalDecoder(target, speculative=speculative).generate(PROMPTS, max_new_tokens=12),
+                           expected)
+    ids = torch.tensor([PROMPTS[0]])
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False)
+    for kwargs in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=k)):
+        assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, **kwargs), expected)
 
 
 @pytest.mark.parametrize("kwargs", [dict(assistant_model="draft"), dict(assistant_model="target"),
