@@ -1,12 +1,15 @@
 """Prefix caching: a hit continues exactly as a cold prefill, hits are counted in whole blocks, the byte budget
 holds (least recently used evicted first), snapshots survive a save / load, and bad input is refused."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridlm import CachePolicy, PrefixCache
+from hybridlm.cache import StateGroup
 from hybridlm.config import MIXER_TYPES
 from hybridlm.generation import IncrementalDecoder
 from tests.helpers import assert_close_rel, random_ids, tiny_model
@@ -36,6 +39,25 @@ def prompt(length: int, seed: int) -> torch.Tensor:
     return random_ids(1, length, seed=seed)
 
 
+def state_fields(cache) -> dict:
+    """Every field of every state of ``cache`` (a rollback history aside), and its counters."""
+    fields = {"positions": cache.positions, "seen": cache.seen}
+    for index, state in enumerate(cache.states):
+        for part_index, part in enumerate(state.parts.values() if isinstance(state, StateGroup) else [state]):
+            fields.update({(index, part_index, f.name): getattr(part, f.name) for f in dataclasses.fields(part)
+                           if f.name != "history"})
+    return fields
+
+
+def assert_same_fields(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if isinstance(value, torch.Tensor):
+            assert got[name].shape == value.shape and torch.equal(got[name], value), name
+        else:
+            assert got[name] == value, name
+
+
 def prefill_counts(decoder) -> dict:
     return {name: decoder.stats[name] for name in ("prefix_hit_tokens", "prefill_tokens")}
 
@@ -54,9 +76,11 @@ def test_a_continuation_after_a_hit_equals_a_cold_prefill(case):
     cached.generate(first, max_new_tokens=4)  # stores blocks 1-3, then decodes on (a snapshot must not follow it)
     assert cached.stats["prefix_hit_tokens"] == 0
 
-    _, cold_logits = cold.prefill(second)
-    _, hit_logits = cached.prefill(second)
+    cold_cache, cold_logits = cold.prefill(second, reserve=3)
+    hit_cache, hit_logits = cached.prefill(second, reserve=3)
     assert prefill_counts(cached) == {"prefix_hit_tokens": 3 * BLOCK, "prefill_tokens": 5}
+    if policy is None or policy.page_size is None:  # a restored page pool holds no free pages: the same tokens
+        assert_same_fields(state_fields(hit_cache), state_fields(cold_cache))  # in other pages
     assert cold_logits.abs().max() > 0
     assert torch.equal(hit_logits, cold_logits)
     cold_tokens = cold.generate(second, max_new_tokens=6)
