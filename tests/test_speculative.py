@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridlm import SpeculativeDecoding
+from hybridlm import PrefixCache, SpeculativeDecoding
 from hybridlm import speculative as spec_module
 from hybridlm.generation import IncrementalDecoder, SamplingSettings, sampling_probs
 from hybridlm.mixers import MIXERS
@@ -89,6 +89,17 @@ def test_greedy_speculative_equals_greedy_on_hybrid_stacks(stack, k, seed):
     expected = target.generate(ids, max_new_tokens=12, do_sample=False)
     for kwargs in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=k)):
         assert torch.equal(target.generate(ids, max_new_tokens=12, do_sample=False, **kwargs), expected)
+
+
+def test_greedy_speculative_with_a_prefix_cache_hit_equals_greedy():
+    target = tiny_model(0, layer_types=["mamba2", "attention"])
+    prompt = [list(range(1, 40)) + PROMPTS[0]]
+    expected = IncrementalDecoder(target).generate(prompt, max_new_tokens=16)
+    decoder = IncrementalDecoder(target, prefix_cache=PrefixCache(block_size=16),
+                                 speculative=SpeculativeDecoding(draft_model=perturbed_copy(target, 0.1)))
+    for hit in (0, 48):  # cold, then the first three blocks restored
+        assert torch.equal(decoder.generate(prompt, max_new_tokens=16), expected)
+        assert decoder.stats["prefix_hit_tokens"] == hit and decoder.stats["accepted_draft_tokens"] > 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(assistant_model="draft"), dict(assistant_model="target"),
@@ -214,3 +225,10 @@ def test_bad_speculative_settings_are_clear_errors():
         SpeculativeDecoding(draft_model=target, prompt_lookup=2)
     with pytest.raises(ValueError, match="prompt_lookup=0"):
         SpeculativeDecoding(prompt_lookup=0)
+
+
+def test_transformers_route_refuses_a_draft_with_another_vocabulary():
+    target = tiny_model(0, layer_types=ATTENTION)
+    with pytest.raises(ValueError, match="different tokenizers"):
+        target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False,
+                        assistant_model=tiny_model(1, vocab_size=50, layer_types=ATTENTION))
