@@ -14,6 +14,8 @@ zeros and has ``beta = g = 0``, so the state passes it unchanged.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,7 +68,7 @@ class KimiDeltaAttention(Mixer):
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """fla's: ``A`` uniform in [1, 16]; ``softplus(dt_bias)`` log-uniform in [1e-3, 0.1]."""
-        dt = torch.empty(self.dt_bias.shape).uniform_(-6.9078, -2.3026).exp().clamp(min=1e-4)
+        dt = torch.empty(self.dt_bias.shape).uniform_(math.log(1e-3), math.log(0.1)).exp().clamp(min=1e-4)
         return {"A_log": torch.empty(self.heads).uniform_(1, 16).log(), "dt_bias": dt + torch.log(-torch.expm1(-dt))}
 
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> SSMState:
