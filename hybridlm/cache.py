@@ -308,7 +308,8 @@ class RecurrentState(LayerState):
 
     def keep_states(self, **per_token: torch.Tensor) -> None:
         """The states after each token of the forward, ``[batch, time, ...]`` per tensor field (the last entry is
-        taken from the state itself, so a crop to the end of a forward gives exactly its final state)."""
+        taken from the state itself, so a crop to the end of a forward gives exactly its final state; a
+        one-token forward passes none)."""
         rollback.keep_states(self, per_token)
 
     def keep_checkpoints(self, tokens: int) -> None:

@@ -82,9 +82,15 @@ class StateHistory:
         if n == 0:
             return
         kept = min(n, self.capacity)
-        index = torch.arange(self.newest + 1 + n - kept, self.newest + 1 + n) % self.capacity
+        start = (self.newest + 1 + n - kept) % self.capacity
         for name, buffer in self.buffers.items():
-            buffer.index_copy_(1, index.to(buffer.device), entries[name][:, n - kept:].to(buffer.dtype))
+            source = entries[name][:, n - kept:]
+            if start + kept <= self.capacity:  # one run of slots (no index tensor)
+                buffer[:, start : start + kept].copy_(source)
+            else:  # wrapping around the ring
+                head = self.capacity - start
+                buffer[:, start:].copy_(source[:, :head])
+                buffer[:, : kept - head].copy_(source[:, head:])
         self.newest = (self.newest + n) % self.capacity
         self.count = min(self.count + n, self.capacity)
 
@@ -145,11 +151,12 @@ def paused(state):
 
 def keep_states(state, per_token: dict[str, torch.Tensor]) -> None:
     """Append the states after each token (``[batch, time, ...]`` per field) to ``state.history``, the last one
-    taken from the state itself."""
-    current = state._tensors()
-    if current.keys() != per_token.keys():
-        raise ValueError(f"keep_states: {type(state).__name__} has fields {sorted(current)}, got {sorted(per_token)}")
-    state.history.push({name: t[:, :-1] for name, t in per_token.items()})
+    taken from the state itself (so a one-token forward passes none: None or nothing)."""
+    current, given = state._tensors(), {name: t for name, t in per_token.items() if t is not None}
+    if given and current.keys() != given.keys():
+        raise ValueError(f"keep_states: {type(state).__name__} has fields {sorted(current)}, got {sorted(given)}")
+    if given:
+        state.history.push({name: t[:, :-1] for name, t in given.items()})
     state.history.push({name: t.unsqueeze(1) for name, t in current.items()})
 
 

@@ -10,6 +10,7 @@ from hybridlm.cache import KVState, LayerState, StateGroup
 from hybridlm.kv.latent import LatentKV
 from hybridlm.kv.layouts import _WindowKV
 from hybridlm.kv.quantize import QuantizedKV
+from hybridlm.rollback import StateHistory
 from tests.helpers import assert_close_rel, random_ids, tiny_model
 
 
@@ -278,3 +279,20 @@ def test_transformers_hooks():
     assert cache.states[1].checkpoint_limit == 64
     with pytest.raises(ValueError, match="tokens must be an int >= 0"):
         cache.keep_checkpoints(-1)
+
+
+@settings(max_examples=20, deadline=None)
+@given(capacity=st.integers(1, 6), ops=st.lists(st.tuples(st.booleans(), st.integers(1, 8)), max_size=30))
+def test_state_history_ring_against_a_list(capacity, ops):
+    """Pushes and rewinds of the ring agree with a plain list of the last ``capacity`` entries."""
+    history = StateHistory.starting_at({"s": torch.zeros(1, 2)}, capacity)
+    expected, value = [0.0], 1.0
+    for push, n in ops:
+        if push:
+            history.push({"s": torch.arange(value, value + n).view(1, n, 1).expand(1, n, 2)})
+            expected, value = (expected + [value + i for i in range(n)])[-capacity:], value + n
+        elif n < history.count:
+            newest = history.rewind(n)["s"]
+            expected = expected[:-n]
+            assert newest.tolist() == [[expected[-1]] * 2]
+        assert history.count == len(expected)

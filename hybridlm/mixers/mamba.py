@@ -86,7 +86,7 @@ class Mamba(Mixer):
         track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)
         u, z = self.in_proj(x).chunk(2, dim=-1)
         conv_in = zero_padding(u, mask).transpose(1, 2)  # [batch, d_inner, time]
-        windows = causal_conv1d_windows(conv_in, state.conv) if track else None
+        windows = causal_conv1d_windows(conv_in, state.conv) if track and time > 1 else None
         u = self.conv1d(conv_in, state.conv if state is not None else None, **packed)
         dt, B, C = self.x_proj(u.transpose(1, 2)).split([self.dt_rank, self.d_state, self.d_state], dim=-1)
         if hasattr(self, "dt_layernorm"):
@@ -99,7 +99,7 @@ class Mamba(Mixer):
                 state.ssm, u[..., 0], dt[:, 0], A, B[:, 0], C[:, 0], D=self.D, z=z[..., 0]
             ).unsqueeze(-1)
             if track:
-                state.keep_states(conv=windows, ssm=state.ssm.unsqueeze(1))
+                state.keep_states()
         else:
             y, final = ops.selective_scan(
                 u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D, z=z,

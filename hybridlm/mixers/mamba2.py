@@ -87,7 +87,7 @@ class Mamba2(Mixer):
         track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.conv_dim, self.num_heads], dim=-1)
         conv_in = zero_padding(xBC, mask).transpose(1, 2)  # [batch, conv_dim, time]
-        windows = causal_conv1d_windows(conv_in, state.conv) if track else None
+        windows = causal_conv1d_windows(conv_in, state.conv) if track and time > 1 else None
         xBC = self.conv1d(conv_in, state.conv if state is not None else None, **packed)
         group_width = self.n_groups * self.d_state
         xs, B, C = xBC.transpose(1, 2).split([self.d_inner, group_width, group_width], dim=-1)
@@ -107,7 +107,7 @@ class Mamba2(Mixer):
                 D=self.D[:, None].expand(heads, dim),
             ).unsqueeze(1)
             if track:
-                state.keep_states(conv=windows, ssm=state.ssm.unsqueeze(1))
+                state.keep_states()
         else:
             y, final = ops.ssd_chunk_scan(
                 xs, dt, A, B, C, self.chunk_size, D=self.D,

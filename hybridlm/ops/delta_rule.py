@@ -219,7 +219,7 @@ def gated_delta_rule_states(k: torch.Tensor, v: torch.Tensor, log_gate: torch.Te
         keep = torch.ones(kc.shape[2], kc.shape[2], dtype=torch.bool, device=kc.device).tril()  # [t, i]: i <= t
         diff = G_at.unsqueeze(3) - G_at.unsqueeze(2)  # [b, h, t, i, dim_k or 1]
         reach = diff.masked_fill(~keep[..., None], -torch.inf).exp()
-        chunk = torch.einsum("bhtid,bhid,bhie->bhtde", reach.expand(-1, -1, -1, -1, kc.shape[-1]), kc, U)
+        chunk = torch.einsum("bhtid,bhie->bhtde", reach * kc.unsqueeze(2), U)  # k[i] decayed to t, times u[i]
         chunk = chunk + G_at.exp().unsqueeze(-1) * state.unsqueeze(2)  # [b, h, l, dim_k, dim_v]
         states.append(chunk)
         state = chunk[:, :, -1]

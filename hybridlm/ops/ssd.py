@@ -213,8 +213,9 @@ def decay_scan_states(k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
         part = slice(start, start + chunk_size)
         g = gf[:, part].transpose(1, 2)  # [b, h, l]
         inside = torch.exp(segment_sum(g))  # [b, h, l, s]: decay from token s to token l
-        added = torch.einsum("bhls,bshp,bshn->blhpn", inside, vf[:, part], kf[:, part])
-        chunk = added + torch.exp(g.cumsum(-1)).transpose(1, 2)[..., None, None] * state[:, None]  # [b, l, h, p, n]
+        drive = torch.einsum("bshp,bshn->bhspn", vf[:, part], kf[:, part])  # [b, h, s, p, n]
+        added = (inside @ drive.flatten(3)).unflatten(3, drive.shape[3:]).transpose(1, 2)  # [b, l, h, p, n]
+        chunk = added + torch.exp(g.cumsum(-1)).transpose(1, 2)[..., None, None] * state[:, None]
         states.append(chunk)
         state = chunk[:, -1]
     return torch.cat(states, dim=1)

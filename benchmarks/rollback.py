@@ -1,0 +1,98 @@
+"""What keeping rollback checkpoints costs, side by side in one run, on the small presets.
+
+Per stack, after a ``--prompt``-token prefill: (1) a verification forward of ``--block`` tokens on the warm cache,
+which keeps the state after each token (the default), against the same forward with checkpoints paused; (2) a
+one-token decode step, plain against ``cache.keep_checkpoints(64)`` (what a draft model runs with). Each timing:
+``--warmup`` untimed runs, then min / median of ``--repeats`` (ms; the two alternate run by run), the ratio of
+medians, and the extra bytes that ``reserved_nbytes`` reports for the checkpoints.
+
+    python benchmarks/rollback.py [--prompt 256] [--block 8] [--repeats 20] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+import hybridlm
+from hybridlm import rollback
+from hybridlm.bench import Timing
+from hybridlm.cache import RecurrentState, StateGroup
+from hybridlm.presets import preset
+
+STACKS = ("jamba-small", "mamba2-small", "bamba-small")
+
+
+def recurrent(cache) -> list[RecurrentState]:
+    parts = [p for s in cache.states for p in (s.parts.values() if isinstance(s, StateGroup) else [s])]
+    return [p for p in parts if isinstance(p, RecurrentState)]
+
+
+def timed_pair(model, runs, args) -> tuple[Timing, Timing]:
+    """``runs``: two ``(cache, ids, paused)``; each run starts from a snapshot of its cache. The two alternate,
+    so that both see the same load on a shared machine."""
+    seconds = ([], [])
+    with torch.no_grad():
+        for repeat in range(args.warmup + args.repeats):
+            for which, (cache, ids, paused) in enumerate(runs):
+                copy = cache.snapshot()
+                for state in recurrent(copy):
+                    state.paused = paused
+                begin = time.perf_counter()
+                model(ids, cache=copy)
+                if repeat >= args.warmup:
+                    seconds[which].append(time.perf_counter() - begin)
+    return Timing.of(seconds[0]), Timing.of(seconds[1])
+
+
+def extra_bytes(model, cache, ids, limit: int | None) -> int:
+    copy = cache.snapshot()
+    if limit is not None:
+        copy.keep_checkpoints(limit)
+    with torch.no_grad():
+        model(ids, cache=copy)
+    return copy.reserved_nbytes() - copy.nbytes()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--block", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"prompt {args.prompt}, block {args.block}, {args.threads} thread(s); ms min / median, batch 1")
+    print(f"{'stack':<14} {'forward':<22} {'without':>13} {'with':>13} {'ratio':>7} {'checkpoint bytes':>17}")
+    for name in STACKS:
+        torch.manual_seed(0)
+        model = hybridlm.HybridForCausalLM(preset(name)).eval()
+        vocab = model.config.vocab_size
+        ids = torch.randint(1, vocab, (1, args.prompt + args.block + 1), generator=torch.Generator().manual_seed(1))
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            model(ids[:, : args.prompt], cache=cache)
+        block, step = ids[:, args.prompt : args.prompt + args.block], ids[:, -1:]
+        rows = [(f"verify {args.block} tokens", block, None)]
+        recording = cache.snapshot()
+        recording.keep_checkpoints(rollback.AUTO_CHECKPOINT_TOKENS)
+        with torch.no_grad():  # its ring allocated, as in steady decoding
+            model(step, cache=recording)
+        rows.append(("decode 1 token", step, recording))
+        for label, tokens, asked in rows:
+            if asked is None:
+                without, with_ = timed_pair(model, [(cache, tokens, True), (cache, tokens, False)], args)
+                nbytes = extra_bytes(model, cache, tokens, None)
+            else:
+                without, with_ = timed_pair(model, [(cache, tokens, False), (asked, tokens, False)], args)
+                nbytes = extra_bytes(model, cache, tokens, rollback.AUTO_CHECKPOINT_TOKENS)
+            ratio = with_.median_ms / without.median_ms
+            print(f"{name:<14} {label:<22} {format(without, '.2f'):>13} {format(with_, '.2f'):>13} "
+                  f"{ratio:>6.2f}x {nbytes:>17,}")
+
+
+if __name__ == "__main__":
+    main()
