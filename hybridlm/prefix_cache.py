@@ -71,6 +71,7 @@ class PrefixCache:
         self._identity: dict | None = None  # signature, weights fingerprint and policy of the model it serves
         self._model: weakref.ref | None = None
         self._one_row = False  # the model's cache has per-cache host-side tables (paged KV): batch 1 only
+        self._kinds: tuple[str, ...] | None = None  # the state types of the caches it serves (static or not)
 
     # --- sizes ----------------------------------------------------------------------------------
 
@@ -147,6 +148,7 @@ class PrefixCache:
         if mask is not None and not bool(mask.all()):
             raise ValueError("prefix_cache: prompts of different lengths (left-padded rows) are not supported; "
                              "pass prompts of one length, or one prompt per call")
+        self._check_kinds(cache)
         if self._one_row and ids.shape[0] > 1:
             raise ValueError("prefix_cache: with paged KV (host-side block tables per cache) prefix caching takes "
                              f"one prompt per call, got a batch of {ids.shape[0]}")
@@ -163,6 +165,15 @@ class PrefixCache:
         decoder.stats["prefix_hit_tokens"] = hit * self.block_size
         decoder.stats["prefill_tokens"] = length - hit * self.block_size
         return cache, logits[:, -1]
+
+    def _check_kinds(self, cache: HybridCache) -> None:
+        kinds = tuple(type(part).__name__ for state in cache.states for part in snapshots.parts(state))
+        if self._kinds is None:
+            self._kinds = kinds
+        elif kinds != self._kinds:
+            raise ValueError(f"prefix_cache: this decoder's caches hold {', '.join(kinds)} where the cached "
+                             f"snapshots hold {', '.join(self._kinds)} (a compiled decoder's static caches, say); "
+                             "use one PrefixCache per kind of cache")
 
     def _restore(self, cache: HybridCache, chains: list[list[str]]) -> None:
         """Load the snapshot at the end of each row's chain of keys into ``cache``, into its own buffers where
@@ -237,7 +248,9 @@ class PrefixCache:
         cache._identity = {name: header[name] for name in ("signature", "fingerprint", "policy")}
         policy = policy_from_json(header["policy"])
         cache.bind(model, policy)
-        for key, blocks, parent, snapshot in load_snapshots(path, header, model.new_cache(1, policy=policy)):
+        template = model.new_cache(1, policy=policy)
+        cache._check_kinds(template)
+        for key, blocks, parent, snapshot in load_snapshots(path, header, template):
             cache._insert(key, _Entry(snapshot, blocks, snapshot.reserved_nbytes(), parent))
         cache._evict()  # once all are in, so that no snapshot goes before the later blocks that need it
         return cache

@@ -308,3 +308,13 @@ def test_paged_kv_takes_one_prompt_per_call(hybrid):
                                  prefix_cache=PrefixCache(block_size=BLOCK))
     with pytest.raises(ValueError, match="with paged KV .* one prompt per call, got a batch of 2"):
         decoder.prefill(random_ids(2, BLOCK + 1))
+
+
+def test_a_cache_serves_one_kind_of_cache(hybrid):
+    cache = PrefixCache(block_size=BLOCK)
+    decoder = IncrementalDecoder(hybrid, prefix_cache=cache)
+    ids = prompt(BLOCK + 1, seed=50)
+    decoder.prefill(ids)
+    static = hybrid.new_cache(1, max_length=BLOCK + 1, static=True)  # what a compiled decoder prefills into
+    with pytest.raises(ValueError, match="caches hold .*StaticKV.* use one PrefixCache per kind of cache"):
+        cache.prefill(decoder, ids, None, static)
