@@ -10,6 +10,7 @@ from hybridlm.cache import KVState, LayerState, StateGroup
 from hybridlm.kv.latent import LatentKV
 from hybridlm.kv.layouts import _WindowKV
 from hybridlm.kv.quantize import QuantizedKV
+from hybridlm.mixers.base import MIXERS
 from hybridlm.rollback import StateHistory
 from tests.helpers import assert_close_rel, random_ids, tiny_model
 
@@ -78,8 +79,7 @@ def check_rollback(model, prompt, block, after, mask=None, rel=1e-5, policy=None
         assert_close_rel(run(model, after, cache, cont_mask), run(model, after, reference, cont_mask), rel)
 
 
-KINDS = ["attention", "mla", "mamba", "mamba2", "performer", "linformer", "gated_deltanet", "kda", "short_conv", "none",
-         "attention+mamba2", "mamba+performer", "gated_deltanet+short_conv"]
+KINDS = sorted(MIXERS) + ["none", "attention+mamba2", "mamba+performer", "gated_deltanet+short_conv"]  # every kind
 
 
 @settings(max_examples=4, deadline=None)
