@@ -154,15 +154,20 @@ def _sequence_final_states(sequences, initial_state, injected, entering, within,
     return final.index_put((spans.index,), state)
 
 
-def ssd_through(scan, x, dt, A, B, C, chunk_size, D=None, initial_state=None, **scan_options):
+def ssd_through(scan, x, dt, A, B, C, chunk_size, D=None, initial_state=None, fused_skip=False, **scan_options):
     """SSD computed by a chunked decay ``scan`` (q = C, k = B, v = dt x, log decay = dt A) plus the skip ``D x``.
 
-    Shared by this reference and the faster backends, which differ only in ``scan``.
+    Shared by this reference and the faster backends, which differ only in ``scan``. With ``fused_skip`` the scan
+    adds ``D x`` and casts to ``x``'s dtype itself (``skip=x, skip_weight=D [heads, 1 or head_dim], dtype=``).
     """
     batch, time, heads, _ = x.shape
     if dt.shape != (batch, time, heads) or A.shape != (heads,):
         raise ValueError(f"ssd_chunk_scan: x {tuple(x.shape)}, dt {tuple(dt.shape)}, A {tuple(A.shape)} disagree")
     dtf = dt.float()
+    if fused_skip:
+        weight = None if D is None else D.unsqueeze(-1) if D.dim() == 1 else D
+        return scan(C, B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), chunk_size, initial_state,
+                    skip=None if D is None else x, skip_weight=weight, dtype=x.dtype, **scan_options)
     y, final = scan(C, B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), chunk_size, initial_state, **scan_options)
     if D is not None:
         y = y + x.float() * (D.float().unsqueeze(-1) if D.dim() == 1 else D.float())

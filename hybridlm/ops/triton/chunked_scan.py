@@ -24,8 +24,6 @@ chunks, each a batch row and a time range.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -43,52 +41,9 @@ from ._common import (
     state_dot_dtype,
     tuned,
 )
+from .chunks import Chunks, split_chunks, uniform_chunks
 
 _MAX_BLOCK_K = 64  # the state dimension (dstate 128-256) in blocks: registers and shared memory stay bounded
-
-
-@dataclass(frozen=True)
-class Chunks:
-    """The chunk table: chunk ``c`` is ``time[start[c]:end[c]]`` of batch row ``row[c]``; sequence ``s`` owns the
-    chunks ``first[s]:last[s]``. ``table`` packs ``row, start, end`` and ``seqs`` packs ``first, last``."""
-
-    table: torch.Tensor  # int32 [3, n_chunks]
-    seqs: torch.Tensor  # int32 [2, n_seqs]
-    size: int  # the longest chunk
-
-    @property
-    def count(self) -> int:
-        return self.table.shape[1]
-
-    @property
-    def n_seqs(self) -> int:
-        return self.seqs.shape[1]
-
-
-def split_chunks(sequences: list[tuple[int, int, int]], chunk_size: int, device) -> Chunks:
-    """Cut each sequence ``(row, start, end)`` into chunks of ``chunk_size`` tokens (the last may be shorter)."""
-    rows, starts, ends, first, last = [], [], [], [], []
-    for row, start, end in sequences:
-        first.append(len(starts))
-        for s in range(start, end, chunk_size):
-            rows.append(row)
-            starts.append(s)
-            ends.append(min(s + chunk_size, end))
-        last.append(len(starts))
-    table = torch.tensor([rows, starts, ends], dtype=torch.int32).view(3, -1)
-    seqs = torch.tensor([first, last], dtype=torch.int32).view(2, -1)
-    return Chunks(table.to(device), seqs.to(device), chunk_size)
-
-
-def uniform_chunks(batch: int, time: int, chunk_size: int, device) -> Chunks:
-    """:func:`split_chunks` of ``batch`` rows of ``time`` tokens, built on ``device`` (no host-to-device copy, so
-    a fixed-length call can be captured in a CUDA graph)."""
-    per_row = -(-time // chunk_size)
-    c = torch.arange(batch * per_row, device=device, dtype=torch.int32)  # chunk c: row c // per_row
-    start = c % per_row * chunk_size
-    table = torch.stack([c // per_row, start, (start + chunk_size).clamp_max(time)])
-    first = torch.arange(batch, device=device, dtype=torch.int32) * per_row
-    return Chunks(table, torch.stack([first, first + per_row]), chunk_size)
 
 
 # --- kernels ----------------------------------------------------------------------------------------------
@@ -184,17 +139,18 @@ def _state_passing_kernel(
 @tuned((4, 2), (4, 3), (8, 3), key=["DK", "DV"])
 @triton.jit
 def _chunk_scan_kernel(
-    Q, K, V, S, G, OUT, TABLE, n_chunks, time,
+    Q, K, V, S, G, X, W, OUT, TABLE, n_chunks, time,
     sq_b, sq_t, sq_h, sq_d, q_ratio, sk_b, sk_t, sk_h, sk_d, k_ratio, sv_b, sv_t, sv_h, sv_d, v_ratio,
-    ss_c, ss_h, ss_v, ss_k, DK, DV,
-    REVERSE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, STATE_DOT_DTYPE: tl.constexpr,
+    ss_c, ss_h, ss_v, ss_k, sx_b, sx_t, sx_h, sx_d, sw_h, sw_d, DK, DV,
+    REVERSE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, STATE_DOT_DTYPE: tl.constexpr,
 ):
     """OUT[t] = sum_{s <= t in the chunk} (q[t].k[s]) decay(s -> t) v[t] + decay(start -> t) S[c] q[t].
 
     When REVERSE, time runs backwards: s >= t, decay(t -> s), and S[c] arrives from the chunk's end. Tensors
     are [batch, time, heads or groups, dim] (strides given; head h reads group h // ratio); S is [chunk, head,
-    DV, DK] through its strides, so a transposed state is a stride swap. OUT is [batch, time, head, DV] fp32.
+    DV, DK] through its strides, so a transposed state is a stride swap. OUT is [batch, time, head, DV], stored
+    in its own dtype; with HAS_SKIP it also gets the skip term X[t] * W (X like OUT, W [head, DV] by strides).
     """
     c, mb, pid = program_id64(0), tl.program_id(1), tl.program_id(2)
     n_vb = cdiv(DV, BLOCK_V)
@@ -255,8 +211,12 @@ def _chunk_scan_kernel(
             decay = tl.exp(g_m[:, None] - g_n[None, :])
         p = tl.where(keep & mask_n[None, :], scores * decay, 0.0)
         acc += mm(p, v, DOT_DTYPE)
+    mask = mask_m[:, None] & mask_v[None, :]
+    if HAS_SKIP:
+        x = tl.load(X + row * sx_b + offs_m[:, None] * sx_t + h * sx_h + offs_v[None, :] * sx_d, mask=mask, other=0.0)
+        acc += x.to(tl.float32) * tl.load(W + h * sw_h + offs_v * sw_d, mask=mask_v, other=0.0).to(tl.float32)[None, :]
     out = OUT + ((row * time + offs_m[:, None]) * n_heads + h) * DV + offs_v[None, :]
-    tl.store(out, acc, mask=mask_m[:, None] & mask_v[None, :])
+    tl.store(out, acc, mask=mask)
 
 
 # --- launchers --------------------------------------------------------------------------------------------
@@ -305,18 +265,21 @@ def state_passing(added, g_cum, initial, chunks: Chunks, reverse: bool = False):
     return entering, final
 
 
-def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False) -> torch.Tensor:
-    """Outputs ``[batch, time, heads, dim_v]`` fp32; ``states`` is ``[n_chunks, heads, dim_v, dim_k]`` (any
-    strides)."""
+def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, skip=None, skip_weight=None,
+               dtype=torch.float32) -> torch.Tensor:
+    """Outputs ``[batch, time, heads, dim_v]`` in ``dtype``; ``states`` is ``[n_chunks, heads, dim_v, dim_k]``
+    (any strides). ``skip [batch, time, heads, dim_v]`` times ``skip_weight [heads, dim_v]`` is added (fused)."""
     batch, time, heads, dv = g_cum.shape[0], g_cum.shape[1], g_cum.shape[2], v.shape[3]
     dk = q.shape[3]
-    out = new_buffer((batch, time, heads, dv), v, torch.float32)
+    out = new_buffer((batch, time, heads, dv), v, dtype)
+    skip_args = (skip, skip_weight, *skip.stride(), *skip_weight.stride()) if skip is not None else (v, v, *(0,) * 6)
     block_m, block_v = block(chunks.size, maximum=64), block(dv, maximum=64)
     launch(
         _chunk_scan_kernel, (chunks.count, triton.cdiv(chunks.size, block_m), heads * triton.cdiv(dv, block_v)),
-        q, k, v, states, g_cum, out, chunks.table, chunks.count, time,
-        *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), dk, dv,
-        REVERSE=reverse, BLOCK_M=block_m, BLOCK_N=block_m, BLOCK_K=block(dk, maximum=_MAX_BLOCK_K), BLOCK_V=block_v,
+        q, k, v, states, g_cum, skip_args[0], skip_args[1], out, chunks.table, chunks.count, time,
+        *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), *skip_args[2:], dk, dv,
+        REVERSE=reverse, HAS_SKIP=skip is not None, BLOCK_M=block_m, BLOCK_N=block_m,
+        BLOCK_K=block(dk, maximum=_MAX_BLOCK_K), BLOCK_V=block_v,
         DOT_DTYPE=dot_dtype(q, k, v), STATE_DOT_DTYPE=state_dot_dtype(q, k, v),
     )
     return out
@@ -350,19 +313,21 @@ def _dot_per_head(x_heads: torch.Tensor, x_groups: torch.Tensor) -> torch.Tensor
 
 class _ChunkedScan(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_decay, initial_state, chunks: Chunks):
+    def forward(ctx, q, k, v, log_decay, initial_state, chunks: Chunks, skip, skip_weight, dtype):
         g_cum = chunk_cumsum(log_decay, chunks)
         added = chunk_state(k, v, g_cum, chunks)
         entering, final = state_passing(added, g_cum, initial_state, chunks)
-        y = chunk_scan(q, k, v, entering, g_cum, chunks)
-        ctx.save_for_backward(q, k, v, g_cum, initial_state)
+        weight = None if skip_weight is None else skip_weight.expand(v.shape[2], v.shape[3])  # [heads, dim_v]
+        y = chunk_scan(q, k, v, entering, g_cum, chunks, skip=skip, skip_weight=weight, dtype=dtype)
+        ctx.save_for_backward(q, k, v, g_cum, initial_state, skip, skip_weight)
         ctx.chunks, ctx.decay_dtype = chunks, log_decay.dtype
         return y, final
 
     @staticmethod
     def backward(ctx, dy, d_final):
-        q, k, v, g_cum, initial_state = ctx.saved_tensors
+        q, k, v, g_cum, initial_state, skip, skip_weight = ctx.saved_tensors
         chunks = ctx.chunks
+        dy = dy.float()
         groups = q.shape[2]
         added = chunk_state(k, v, g_cum, chunks)
         entering, _ = state_passing(added, g_cum, initial_state, chunks)
@@ -377,15 +342,27 @@ class _ChunkedScan(torch.autograd.Function):
         return (
             _per_group(dq, groups).to(q.dtype), _per_group(dk, groups).to(k.dtype), dv.to(v.dtype),
             d_log_decay.to(ctx.decay_dtype), d_initial.to(initial_state.dtype) if initial_state is not None else None,
-            None,
+            None, *_skip_gradients(dy, skip, skip_weight), None,
         )
 
 
-def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, sequences=None):
+def _skip_gradients(dy, skip, weight):
+    """Gradients of ``skip [batch, time, heads, dim_v]`` and ``weight [heads, 1 or dim_v]`` of ``skip * weight``."""
+    if skip is None:
+        return None, None
+    d_weight = (dy * skip.float()).sum((0, 1))
+    d_weight = d_weight.sum(-1, keepdim=True) if weight.shape[-1] == 1 else d_weight
+    return (dy * weight.float()).to(skip.dtype), d_weight.to(weight.dtype)
+
+
+def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, sequences=None, skip=None,
+                       skip_weight=None, dtype=torch.float32):
     """Triton version of :func:`hybridlm.ops.ssd.chunked_decay_scan`, differentiable in every tensor input.
 
     ``sequences``: ``None`` for a fixed-length batch (one state per row), or the boundaries ``[0, ..., time]``
-    of sequences packed along time (batch 1, one initial/final state per sequence).
+    of sequences packed along time (batch 1, one initial/final state per sequence). Fused into the output (SSD's
+    skip and cast): ``+ skip * skip_weight`` (``skip`` like ``v``, ``skip_weight [heads, 1 or dim_v]``), stored as
+    ``dtype``.
     """
     batch, time, heads, dim_v = v.shape
     groups = q.shape[2]
@@ -396,7 +373,10 @@ def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, 
         )
     if chunk_size < 1:
         raise ValueError(f"chunked scan: chunk_size must be >= 1, got {chunk_size}")
-    check_device("chunked scan", q, k, v, log_decay, initial_state)
+    check_device("chunked scan", q, k, v, log_decay, initial_state, skip, skip_weight)
+    if skip is not None and (skip.shape != v.shape or skip_weight.dim() != 2 or skip_weight.shape[0] != heads):
+        raise ValueError(f"chunked scan: skip must be like v {tuple(v.shape)} and skip_weight [heads={heads}, 1 or "
+                         f"{dim_v}], got {tuple(skip.shape)} and {tuple(skip_weight.shape)}")
     if sequences is None:
         spans = [(b, 0, time) for b in range(batch)]
     else:
@@ -408,4 +388,4 @@ def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, 
         log_decay = v.new_zeros(batch, time, heads, dtype=torch.float32)
     size = max(1, min(chunk_size, time))
     chunks = uniform_chunks(batch, time, size, v.device) if sequences is None else split_chunks(spans, size, v.device)
-    return _ChunkedScan.apply(q, k, v, log_decay, initial_state, chunks)
+    return _ChunkedScan.apply(q, k, v, log_decay, initial_state, chunks, skip, skip_weight, dtype)

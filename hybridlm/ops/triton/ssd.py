@@ -1,8 +1,8 @@
 """Mamba-2's SSD chunked scan in Triton: :func:`hybridlm.ops.ssd.ssd_chunk_scan_ref` on the kernels of
 :mod:`.chunked_scan`.
 
-Fused in the kernels: the whole chunked scan (forward and backward). Plain torch around them: ``dt x``, ``dt A``
-and the skip ``D x`` (elementwise, differentiated by autograd).
+Fused in the kernels: the whole chunked scan (forward and backward), the skip ``D x`` and the cast of the
+output. Plain torch around them: ``dt x`` and ``dt A`` (elementwise, differentiated by autograd).
 """
 
 from __future__ import annotations
@@ -28,4 +28,5 @@ def ssd_chunk_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as :func:`hybridlm.ops.ssd.ssd_chunk_scan_ref`, packed sequences included."""
     sequences = packed_sequences(x.shape[0], x.shape[1], seq_idx, cu_seqlens)
-    return ssd_through(chunked_decay_scan, x, dt, A, B, C, chunk_size, D, initial_state, sequences=sequences)
+    return ssd_through(chunked_decay_scan, x, dt, A, B, C, chunk_size, D, initial_state, fused_skip=True,
+                       sequences=sequences)
