@@ -90,6 +90,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
     kernel and configuration (remembered: the same configuration is not compiled again)."""
     if not all(grid):
         return
+    if torch.compiler.is_compiling():  # traced by torch.compile, which launches the kernel itself: no bookkeeping
+        kernel[grid](*args, **kwargs)
+        return
     key = _configuration(kernel, args, kwargs)
     if key in _failed:
         raise KernelFailed(_failed[key])
