@@ -49,6 +49,10 @@ def parse_args(argv=None):
         help="training rows per cell (default: steps x batch size, every row seen once: with fewer, rows repeat "
              "and the models learn the training pairs by heart instead of recall)")
     add("--test-rows", type=int, default=1000, help="held-out rows per cell (default: %(default)s)")
+    add("--pair-mix", type=int, default=1,
+        help="train each cell on an even mix of this many pair counts halving down from its own (4 at (256, 32): "
+             "32, 16, 8, 4), as Zoology trains on a mix of cells; held-out rows are the cell's own "
+             "(default: %(default)s, the cell alone)")
     add("--vocab-size", type=int, help="keys and values split it in half (FULL: 8192, as in Zoology)")
     add("--workers", type=int, default=1, help="training runs in parallel, one thread each (default: %(default)s)")
     add("--resume", action="store_true", help="keep the rows already in OUT/results.json and run the rest")
@@ -60,7 +64,7 @@ def parse_args(argv=None):
     args.cells = [_cell(text) for text in args.cells]
     if args.train_rows is None:
         args.train_rows = args.steps * args.batch_size
-    for name in ("steps", "batch_size", "train_rows", "test_rows", "workers"):
+    for name in ("steps", "batch_size", "train_rows", "test_rows", "workers", "pair_mix"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.train_rows < args.batch_size:
@@ -95,12 +99,14 @@ def model_key(row: dict) -> tuple:
 
 
 @functools.lru_cache(maxsize=1)
-def cell_rows(seq_len: int, kv_pairs: int, vocab_size: int, train_rows: int, test_rows: int, seed: int):
+def cell_rows(seq_len: int, kv_pairs: int, vocab_size: int, train_rows: int, test_rows: int, seed: int,
+              pair_mix: int = 1):
     """The training and held-out rows of a cell (the jobs of a cell come one after another: made once)."""
-    from hybridlm.training.mqar import mqar_rows
+    from hybridlm.training.mqar import mixed_mqar_rows, mqar_rows, pair_ladder
 
-    return (mqar_rows(train_rows, seq_len, kv_pairs, vocab_size, seed=seed * 2 + 1),
-            mqar_rows(test_rows, seq_len, kv_pairs, vocab_size, seed=seed * 2 + 2))
+    train = mqar_rows(train_rows, seq_len, kv_pairs, vocab_size, seed=seed * 2 + 1) if pair_mix == 1 else \
+        mixed_mqar_rows(train_rows, seq_len, pair_ladder(kv_pairs, pair_mix), vocab_size, seed=seed * 2 + 1)
+    return train, mqar_rows(test_rows, seq_len, kv_pairs, vocab_size, seed=seed * 2 + 2)
 
 
 def run_job(job: dict, args) -> dict:
@@ -115,7 +121,7 @@ def run_job(job: dict, args) -> dict:
     torch.set_num_threads(1)
     seq_len, kv_pairs = job["seq_len"], job["kv_pairs"]
     train_rows, test_rows = cell_rows(seq_len, kv_pairs, args.vocab_size, args.train_rows, args.test_rows,
-                                      args.seed)
+                                      args.seed, args.pair_mix)
     config = mqar_config(job["mixer"], job["hidden_size"], job["state_size"], seq_len, args.vocab_size)
     torch.manual_seed(args.seed)
     model = HybridForCausalLM(config)
@@ -131,6 +137,7 @@ def run_job(job: dict, args) -> dict:
                 final_loss=last["loss"], state_bytes_per_sequence=state_bytes_per_sequence(model, seq_len),
                 parameters=sum(p.numel() for p in model.parameters()), steps=args.steps,
                 batch_size=args.batch_size, train_rows=args.train_rows, test_rows=args.test_rows,
+                pair_mix=args.pair_mix,
                 train_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)
 
 

@@ -109,6 +109,27 @@ def mqar_rows(num_rows: int, seq_len: int, kv_pairs: int, vocab_size: int = 8192
     return MQARRows(ids, labels)
 
 
+def pair_ladder(kv_pairs: int, rungs: int) -> list[int]:
+    """``rungs`` pair counts halving down from ``kv_pairs`` (each at least 1, repeats dropped): the pair counts
+    of a mixed training set. Zoology trains on a mix of easy and hard cells; the easy rows teach the lookup
+    that the hard ones alone rarely reveal in a short run."""
+    if not isinstance(rungs, int) or rungs < 1:
+        raise ValueError(f"rungs must be a positive integer, got {rungs!r}")
+    return sorted({max(1, kv_pairs >> k) for k in range(rungs)}, reverse=True)
+
+
+def mixed_mqar_rows(num_rows: int, seq_len: int, pair_counts: list[int], vocab_size: int = 8192, *,
+                    seed: int = 0) -> MQARRows:
+    """``num_rows`` rows of length ``seq_len``, split evenly over ``pair_counts`` (any remainder to the first),
+    one block per count: the training loop's shuffled order mixes them."""
+    if not pair_counts:
+        raise ValueError("pair_counts must name at least one kv_pairs")
+    share, extra = divmod(num_rows, len(pair_counts))
+    parts = [mqar_rows(share + (extra if i == 0 else 0), seq_len, kv_pairs, vocab_size, seed=seed * 1009 + i)
+             for i, kv_pairs in enumerate(pair_counts)]
+    return MQARRows(torch.cat([p.ids for p in parts]), torch.cat([p.labels for p in parts]))
+
+
 def answer_logits(model, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [N, vocab]`` predicted for the batch's N answer positions, and their ``targets [N]``.
 
