@@ -140,6 +140,7 @@ class PrefixCache:
 
     # --- the decoder's prefill ------------------------------------------------------------------
 
+    @torch.no_grad()
     def prefill(self, decoder, ids: torch.Tensor, mask: torch.Tensor | None, cache: HybridCache):
         """Prefill ``ids [batch, length]`` into the empty ``cache`` from the longest cached prefix, snapshotting
         every new block boundary; returns ``(cache, logits [batch, vocab])`` of the last position and sets
@@ -167,7 +168,7 @@ class PrefixCache:
         return cache, logits[:, -1]
 
     def _check_kinds(self, cache: HybridCache) -> None:
-        kinds = tuple(type(part).__name__ for state in cache.states for part in snapshots.parts(state))
+        kinds = _kinds(cache)
         if self._kinds is None:
             self._kinds = kinds
         elif kinds != self._kinds:
@@ -235,7 +236,7 @@ class PrefixCache:
         into its metadata as JSON (nothing is pickled)."""
         if self._identity is None:
             raise ValueError("PrefixCache.save: the cache has not served a model yet (nothing to save)")
-        header = {"block_size": self.block_size, "max_bytes": self.max_bytes, **self._identity}
+        header = {"block_size": self.block_size, "max_bytes": self.max_bytes, **self._identity, "kinds": self._kinds}
         save_snapshots(path, header, [(key, entry.blocks, entry.parent, entry.snapshot)
                                       for key, entry in self._entries.items()])
 
@@ -249,6 +250,9 @@ class PrefixCache:
         policy = policy_from_json(header["policy"])
         cache.bind(model, policy)
         template = model.new_cache(1, policy=policy)
+        if header["kinds"] is not None and list(_kinds(template)) != header["kinds"]:
+            # a compiled decoder's static caches: rebuilt on a static template (all its fields come from the file)
+            template = model.new_cache(1, max_length=1, policy=policy, static=True)
         cache._check_kinds(template)
         for key, blocks, parent, snapshot in load_snapshots(path, header, template):
             cache._insert(key, _Entry(snapshot, blocks, snapshot.reserved_nbytes(), parent))
@@ -288,6 +292,11 @@ def _chunks(start: int, stop: int, block: int, chunk: int) -> Iterator[tuple[int
         end = min(stop, block_start + block, next_cut)
         yield start, end
         start = end
+
+
+def _kinds(cache: HybridCache) -> tuple[str, ...]:
+    """The state types of ``cache``, part by part (what tells a static cache from a growing one)."""
+    return tuple(type(part).__name__ for state in cache.states for part in snapshots.parts(state))
 
 
 def _check_same_model(stored: dict, current: dict) -> None:

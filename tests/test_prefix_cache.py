@@ -318,3 +318,22 @@ def test_a_cache_serves_one_kind_of_cache(hybrid):
     static = hybrid.new_cache(1, max_length=BLOCK + 1, static=True)  # what a compiled decoder prefills into
     with pytest.raises(ValueError, match="caches hold .*StaticKV.* use one PrefixCache per kind of cache"):
         cache.prefill(decoder, ids, None, static)
+
+
+def test_snapshots_of_static_caches_restore_exactly_and_survive_a_file(hybrid, tmp_path):
+    """A compiled decoder prefills into static caches (fixed capacity); fed such caches directly here."""
+    def static(ids):
+        return hybrid.new_cache(1, max_length=ids.shape[1] + 4, static=True)
+
+    decoder = IncrementalDecoder(hybrid, prefill_chunk_size=BLOCK, prefix_cache=PrefixCache(block_size=BLOCK))
+    shared = prompt(2 * BLOCK, seed=51)
+    first, second = (torch.cat([shared, prompt(n, seed=52 + n)], dim=1) for n in (3, 5))
+    decoder.prefix_cache.prefill(decoder, first, None, static(first))
+    decoder.prefix_cache.save(tmp_path / "static.safetensors")
+    cold = IncrementalDecoder(hybrid, prefill_chunk_size=BLOCK)
+    cold_cache, cold_logits = cold.prefill(second, cache=static(second))
+    for cache in (decoder.prefix_cache, PrefixCache.load(tmp_path / "static.safetensors", hybrid)):
+        hit_cache, hit_logits = cache.prefill(decoder, second, None, static(second))
+        assert decoder.stats["prefix_hit_tokens"] == 2 * BLOCK
+        assert torch.equal(hit_logits, cold_logits)
+        assert_same_fields(state_fields(hit_cache), state_fields(cold_cache))
