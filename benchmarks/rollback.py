@@ -1,10 +1,11 @@
 """What keeping rollback checkpoints costs, side by side in one run, on the small presets.
 
 Per stack, after a ``--prompt``-token prefill: (1) a verification forward of ``--block`` tokens on the warm cache,
-which keeps the state after each token (the default), against the same forward with checkpoints paused; (2) a
-one-token decode step, plain against ``cache.keep_checkpoints(64)`` (what a draft model runs with). Each timing:
-``--warmup`` untimed runs, then min / median of ``--repeats`` (ms; the two alternate run by run), the ratio of
-medians, and the extra bytes that ``reserved_nbytes`` reports for the checkpoints.
+which keeps the state after each token (the default), then a crop back, against the same forward with
+checkpoints paused (taken back by a restore); (2) a one-token decode step with ``cache.keep_checkpoints(64)``
+(what a draft model runs with) then a crop back, against a plain step. Only the forwards are timed: ``--warmup``
+untimed rounds, then min / median of ``--repeats`` (ms; the two sides alternate round by round), the ratio of
+medians, and the bytes ``reserved_nbytes`` counts for the checkpoints.
 
     python benchmarks/rollback.py [--prompt 256] [--block 8] [--repeats 20] [--threads 1]
 """
@@ -30,30 +31,30 @@ def recurrent(cache) -> list[RecurrentState]:
     return [p for p in parts if isinstance(p, RecurrentState)]
 
 
-def timed_pair(model, runs, args) -> tuple[Timing, Timing]:
-    """``runs``: two ``(cache, ids, paused)``; each run starts from a snapshot of its cache. The two alternate,
-    so that both see the same load on a shared machine."""
+def variant(cache, *, paused: bool = False, keep: int = 0, crop: bool = True) -> tuple:
+    """A cache of its own for one side of a comparison, and how to take it back after each timed forward: a
+    crop (what speculative decoding does, so kept buffers are reused) or a restore of the starting point."""
+    start = cache.snapshot()
+    for state in recurrent(start):
+        state.paused = paused
+    start.keep_checkpoints(keep)
+    own = start.snapshot()
+    return own, (lambda tokens: own.crop(-tokens)) if crop else (lambda tokens: own.restore(start))
+
+
+def timed_pair(model, ids, sides, args) -> tuple[Timing, Timing]:
+    """``ids`` forwarded through each side's cache, taken back after each run; the two sides alternate, so
+    that both see the same load on a shared machine."""
     seconds = ([], [])
     with torch.no_grad():
         for repeat in range(args.warmup + args.repeats):
-            for which, (cache, ids, paused) in enumerate(runs):
-                copy = cache.snapshot()
-                for state in recurrent(copy):
-                    state.paused = paused
+            for which, (cache, back) in enumerate(sides):
                 begin = time.perf_counter()
-                model(ids, cache=copy)
+                model(ids, cache=cache)
                 if repeat >= args.warmup:
                     seconds[which].append(time.perf_counter() - begin)
+                back(ids.shape[1])
     return Timing.of(seconds[0]), Timing.of(seconds[1])
-
-
-def extra_bytes(model, cache, ids, limit: int | None) -> int:
-    copy = cache.snapshot()
-    if limit is not None:
-        copy.keep_checkpoints(limit)
-    with torch.no_grad():
-        model(ids, cache=copy)
-    return copy.reserved_nbytes() - copy.nbytes()
 
 
 def main() -> None:
@@ -76,19 +77,12 @@ def main() -> None:
         with torch.no_grad():
             model(ids[:, : args.prompt], cache=cache)
         block, step = ids[:, args.prompt : args.prompt + args.block], ids[:, -1:]
-        rows = [(f"verify {args.block} tokens", block, None)]
-        recording = cache.snapshot()
-        recording.keep_checkpoints(rollback.AUTO_CHECKPOINT_TOKENS)
-        with torch.no_grad():  # its ring allocated, as in steady decoding
-            model(step, cache=recording)
-        rows.append(("decode 1 token", step, recording))
-        for label, tokens, asked in rows:
-            if asked is None:
-                without, with_ = timed_pair(model, [(cache, tokens, True), (cache, tokens, False)], args)
-                nbytes = extra_bytes(model, cache, tokens, None)
-            else:
-                without, with_ = timed_pair(model, [(cache, tokens, False), (asked, tokens, False)], args)
-                nbytes = extra_bytes(model, cache, tokens, rollback.AUTO_CHECKPOINT_TOKENS)
+        rows = [(f"verify {args.block} tokens", block, 0), ("decode 1 token", step, rollback.AUTO_CHECKPOINT_TOKENS)]
+        for label, tokens, keep in rows:
+            plain = variant(cache, paused=True, crop=False)
+            kept = variant(cache, keep=keep)
+            without, with_ = timed_pair(model, tokens, [plain, kept], args)
+            nbytes = kept[0].reserved_nbytes() - kept[0].nbytes()
             ratio = with_.median_ms / without.median_ms
             print(f"{name:<14} {label:<22} {format(without, '.2f'):>13} {format(with_, '.2f'):>13} "
                   f"{ratio:>6.2f}x {nbytes:>17,}")

@@ -69,8 +69,13 @@ class StateHistory:
     def starting_at(cls, tensors: dict[str, torch.Tensor], capacity: int) -> StateHistory:
         """A history of ``capacity`` entries whose first entry is ``tensors`` (a copy of the state now)."""
         history = cls({name: t.new_empty(t.shape[0], capacity, *t.shape[1:]) for name, t in tensors.items()})
-        history.push({name: t.unsqueeze(1) for name, t in tensors.items()})
+        history.restart(tensors)
         return history
+
+    def restart(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Forget every entry; ``tensors`` (a copy of the state now) is the first one."""
+        self.count, self.newest = 0, -1
+        self.push({name: t.unsqueeze(1) for name, t in tensors.items()})
 
     @property
     def capacity(self) -> int:
@@ -125,7 +130,10 @@ def start_forward(state, time: int) -> bool:
             state.history = StateHistory.starting_at(state._tensors(), state.checkpoint_limit + 1)
         return True
     if warm and 1 < time <= AUTO_CHECKPOINT_TOKENS:
-        state.history = StateHistory.starting_at(state._tensors(), time + 1)
+        if state.history is not None and state.history.capacity == time + 1:  # the last block's size: reuse
+            state.history.restart(state._tensors())
+        else:
+            state.history = StateHistory.starting_at(state._tensors(), time + 1)
         return True
     if state.history is not None:  # (plain decoding mutates nothing here: nothing for a compiled step to trace)
         state.history = None
