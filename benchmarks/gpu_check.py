@@ -39,7 +39,7 @@ STEPS = (
     Step("environment", 60, gpu=False),
     Step("reverse_scan", 60, gpu=False),
     Step("kernels", 150, gpu=False),
-    Step("compile_sm90", 900, gpu=False, dry_run_only=True),  # about 100 compiles on the CPU
+    Step("compile_sm90", 1800, gpu=False, dry_run_only=True),  # about 100 compiles on the CPU
     Step("large_probe", 60, gpu=True),
     Step("benchmarks", 180, gpu=False),
     Step("cuda_build", 180, gpu=True),
@@ -80,10 +80,10 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="on the CPU, skipping the steps that need a GPU")
     parser.add_argument("--steps", default="", help="comma-separated steps to run (default: all)")
     parser.add_argument("--budget", type=float, help="seconds for the whole run; default: 480 (one 8-minute GPU "
-                        "run), 1500 with --dry-run")
+                        "run), 2400 with --dry-run")
     parser.add_argument("--step", help=argparse.SUPPRESS)  # internal: run one step in this process
     args = parser.parse_args()
-    budget = args.budget or (1500 if args.dry_run else 480)
+    budget = args.budget or (2400 if args.dry_run else 480)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.step:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 
 import torch
 
@@ -108,7 +109,7 @@ class _CompileOnlyDriver:
 
 
 @contextlib.contextmanager
-def _compile_only(record: dict, arch: int = 90):
+def _compile_only(record: dict, path=None, arch: int = 90):
     """Kernel launches compile (``warmup``) for sm_``arch`` and record their resources (cuobjdump); nothing runs."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -121,11 +122,14 @@ def _compile_only(record: dict, arch: int = 90):
             return
         compiled = kernel.warmup(*args, grid=grid, **kwargs)  # an autotuned kernel: one per configuration
         blocks = " ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k.startswith("BLOCK"))
+        blocks += " " + ",".join(sorted({str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)}))
         for one in compiled if isinstance(compiled, list) else [compiled]:
             meta = one.metadata
             key = f"{_common._name(kernel)} {blocks} warps={meta.num_warps} stages={meta.num_stages}"
             record[key] = dict(shared_bytes=meta.shared, **cubin_resources(one.asm["cubin"]))
             print(f"{key}: {record[key]}", flush=True)
+            if path is not None:  # after every kernel: a step cut short keeps what it compiled
+                path.write_text(json.dumps(record, indent=1))
 
     modules = [importlib.import_module(f"hybridlm.ops.triton.{name}")
                for name in ("causal_conv1d", "chunked_scan", "selective_scan", "state_update")]
@@ -142,13 +146,13 @@ def _compile_only(record: dict, arch: int = 90):
             triton.runtime.driver.reset_active()
 
 
-def compile_for_sm90(small: bool = False) -> dict:
+def compile_for_sm90(path=None, small: bool = False) -> dict:
     """Compile every Triton kernel the ops launch at model shapes (forward and backward, fp32 and bf16) for
     sm_90 on CPU tensors: compile errors, shared memory, registers and spills, before any GPU time."""
     from hybridlm.ops import triton as kernels
 
     record: dict = {}
-    with _compile_only(record):
+    with _compile_only(record, path):
         for dtype in (torch.float32, torch.bfloat16):
             for op, (args, kwargs, wrt) in op_calls("cpu", dtype, small).items():
                 _outputs(getattr(kernels, op), args, kwargs, wrt)

@@ -136,7 +136,7 @@ def _state_passing_kernel(
     tl.store(FINAL + (s * n_heads + h) * SIZE + offs, state, mask=mask)
 
 
-@tuned((4, 2), (4, 3), (8, 3), key=["DK", "DV"])
+@tuned((4, 2), (8, 2), (8, 3), key=["DK", "DV"])
 @triton.jit
 def _chunk_scan_kernel(
     Q, K, V, S, G, X, W, OUT, TABLE, n_chunks, time,

@@ -122,7 +122,7 @@ def _scan_fwd_kernel(
     tl.store(FINAL + state_offs, h, mask=mask_n[None, :])
 
 
-@tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"], reset_to_zero=["DB", "DC"])
+@tuned((4, 1), (8, 1), key=["dim", "dstate"], reset_to_zero=["DB", "DC"])  # 2 warps spill
 @triton.jit
 def _scan_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DFINAL,

@@ -15,7 +15,7 @@ import triton.language as tl
 from ._common import block, check_device, launch, new_buffer, program_id64, silu, softplus, total, tuned
 
 
-@tuned((1, 1), (2, 1), (4, 1), key=["dim", "dstate"], restore_value=["S"])
+@tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"], restore_value=["S"])  # 1 warp spills at dstate 128
 @triton.jit
 def _state_update_kernel(
     S, X, DT, A, B, C, D, Z, BIAS, Y, dim, dstate, heads_per_group,
