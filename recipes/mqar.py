@@ -8,8 +8,7 @@ Every (mixer, width, state size, cell) is trained at each learning rate of ``--l
 loop of :mod:`hybridlm.training` and scored on held-out rows; the best learning rate is kept, as Zoology does.
 ``OUT/results.json`` gets one object per model and cell (written as they finish, so ``--resume`` continues a run
 that was stopped), ``OUT/mqar.png`` plots accuracy against state bytes per sequence, and a table is printed.
-The data and the models are described in :mod:`hybridlm.training.mqar`. With ``TQDM_DISABLE=1`` in the
-environment each run prints one line instead of a progress bar (tqdm reads it when it is imported).
+The data and the models are described in :mod:`hybridlm.training.mqar`.
 """
 
 from __future__ import annotations
