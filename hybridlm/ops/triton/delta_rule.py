@@ -24,6 +24,7 @@ from ..ssd import packed_sequences
 from ._common import block, check_device, launch, new_buffer, program_id64, total
 
 CHUNK = 64  # tokens between state checkpoints (the backward's recomputation length)
+STATE_TILE = 4096  # most state elements per program (a value block's tile; registers on the GPU)
 
 
 @triton.jit
@@ -149,9 +150,10 @@ def _layout(q, k, v, log_gate, beta, initial_state, cu_seqlens):
         raise ValueError(f"gated_delta_rule: initial_state {tuple(initial_state.shape)} must be "
                          f"{(n_seqs, heads, dim_k, dim_v)} ({n_seqs} sequences)")
     longest = time if bounds is None else max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    settings = dict(H=heads, HK=key_heads, GROUP=heads // key_heads, DK=dim_k, DV=dim_v, BK=block(dim_k, 1),
-                    BV=block(dim_v, 1, 64), CHUNK_LEN=CHUNK, CHANNEL_GATE=log_gate.dim() == 4,
-                    PACKED=bounds is not None)
+    width_k = block(dim_k, 1)
+    settings = dict(H=heads, HK=key_heads, GROUP=heads // key_heads, DK=dim_k, DV=dim_v, BK=width_k,
+                    BV=block(dim_v, 1, max(1, STATE_TILE // width_k)), CHUNK_LEN=CHUNK,
+                    CHANNEL_GATE=log_gate.dim() == 4, PACKED=bounds is not None)
     seqlens = cu_seqlens.to(device=v.device, dtype=torch.int64).contiguous() if bounds is not None else v.new_zeros(1)
     tensors = [t.contiguous() for t in (q, k, v, log_gate, beta)]
     return tensors, initial_state.float().contiguous(), seqlens, n_seqs, triton.cdiv(max(longest, 1), CHUNK), settings
