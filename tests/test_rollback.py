@@ -9,6 +9,7 @@ from hybridlm import CachePolicy
 from hybridlm.cache import KVState, LayerState, StateGroup
 from hybridlm.kv.latent import LatentKV
 from hybridlm.kv.layouts import _WindowKV
+from hybridlm.kv.paged import PagedKV
 from hybridlm.kv.quantize import QuantizedKV
 from hybridlm.mixers.base import MIXERS
 from hybridlm.rollback import StateHistory
@@ -26,6 +27,9 @@ def contents(state: LayerState) -> dict[str, torch.Tensor]:
         slots = torch.arange(state.seen)
         index = state._index(slots[(slots < state.pinned) | (slots > state.seen - state.window)])
         return {"keys": state.keys[:, :, index], "values": state.values[:, :, index], "padding": state.padding}
+    if isinstance(state, PagedKV):  # as the contiguous layout would hold them (pages are bookkeeping)
+        keys, values = state._gather(state.seen)
+        return {"keys": keys, "values": values, "padding": state.padding}
     if isinstance(state, QuantizedKV):
         old_keys, old_values = state.dequantized()
         return {"old_keys": old_keys, "old_values": old_values, "padding": state.padding,
@@ -188,12 +192,14 @@ LAYOUTS = {
     "ring": (dict(sliding_window=4), None),
     "sinks+window": ({}, CachePolicy(sink_tokens=2, window=4)),
     "quantized": ({}, CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=6)),
+    "paged": ({}, CachePolicy(page_size=4)),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kv_layouts_crop_to_any_token_of_a_block(layout):
-    """Window layouts put back the slots the block pushed out; quantized KV crops within its full-precision tail
+    """Window layouts put back the slots the block pushed out; paged KV gives back pages; quantized KV crops
+    within its full-precision tail
     (residual 6, groups of 4: 4 tokens quantized after 10 to 13 tokens, so 10 then a block of 3)."""
     overrides, policy = LAYOUTS[layout]
     model = tiny_model(layer_pattern="AMA", **overrides)
