@@ -199,8 +199,8 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kv_layouts_crop_to_any_token_of_a_block(layout):
     """Window layouts put back the slots the block pushed out; paged KV gives back pages; quantized KV crops
-    within its full-precision tail
-    (residual 6, groups of 4: 4 tokens quantized after 10 to 13 tokens, so 10 then a block of 3)."""
+    within its full-precision tail (residual 6, groups of 4: 4 tokens quantized after 10 to 13 tokens, so 10
+    then a block of 3)."""
     overrides, policy = LAYOUTS[layout]
     model = tiny_model(layer_pattern="AMA", **overrides)
     warm, k = (10, 3) if layout == "quantized" else (7, 4)
