@@ -23,10 +23,10 @@ import torch.nn.functional as F
 IGNORE = -100
 #: The model shapes of the benchmark: ``layer_pattern`` of each named mixer (Zoology's 2 layers; the hybrids
 #: and their all-Mamba-2 twin have 4). The hybrids put attention last in each group, after the Mamba-2 layers
-#: whose convolutions can shift the previous token in. ``conv-attention`` is Zoology's own attention baseline:
-#: each attention layer preceded by a short convolution (LFM2's gated one here, width 3 as Zoology's BaseConv),
-#: which hands attention the previous token; plain ``attention`` must learn that shift itself, and on a CPU
-#: budget it learns it slowly (docs/mqar.md).
+#: whose convolutions can shift the previous token in. ``conv-attention`` stands for Zoology's attention baseline
+#: (there a width-3 BaseConv layer, then attention): each attention layer here follows a short convolution
+#: (LFM2's gated one, width 3), which hands attention the previous token; plain ``attention`` must learn that
+#: shift itself, and on a CPU budget it learns it slowly (docs/mqar.md).
 MIXER_PATTERNS = {
     "attention": "AA", "conv-attention": "CACA", "mamba": "MM", "mamba2": "SS", "performer": "PP",
     "linformer": "LL", "mamba2-4layer": "SSSS", "hybrid-1:1": "SASA", "hybrid-1:3": "SSSA",
