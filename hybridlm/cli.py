@@ -218,7 +218,7 @@ def run_build_kernels(args) -> None:
 
 
 @command(
-    "bench", "Decode ms/token and cache bytes/token of attention, 1:7 hybrid and Mamba-2 stacks; scan speedups.",
+    "bench", "Decode ms and cache bytes per token: attention, 1:7 hybrid, Mamba-2, Qwen3-Next 3:1; scan speedups.",
     option("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="context lengths to decode at"),
     option("--steps", type=int, default=8, help="timed decode steps per stack and context"),
     option("--warmup", type=int, default=2, help="untimed runs before timing"),
@@ -233,7 +233,8 @@ def run_bench(args) -> None:
     from .bench import compare_stacks, scan_speedups, table
     from .presets import preset
 
-    names = {"all-attention": "attention-small", "jamba 1:7": "jamba-small", "all-mamba2": "mamba2-small"}
+    names = {"all-attention": "attention-small", "jamba 1:7": "jamba-small", "all-mamba2": "mamba2-small",
+             "qwen3-next 3:1": "qwen3-next-small"}  # Gated DeltaNet : gated attention
     models = {label: _build(preset(name, mlp_types=["dense"] * 8, expert_layer_period=None))
               for label, name in names.items()}
     if args.what == "context":
