@@ -4,6 +4,8 @@ and per-channel gates, grouped key heads, initial states and packed sequences; o
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridlm.ops.delta_rule import gated_delta_rule_ref
 from tests.helpers import assert_close_rel
@@ -45,6 +47,18 @@ def run_both(tensors, **kwargs):
 def test_forward_and_gradients_match_the_reference(shape, monkeypatch):
     monkeypatch.setattr(kernels.delta_rule, "STATE_TILE", 64)  # 8 x 8 state tiles: several value blocks
     (o, final, grads), (o_ref, final_ref, grads_ref) = run_both(inputs(**shape, seed=3))
+    assert_close_rel(o, o_ref, rel=1e-5)
+    assert_close_rel(final, final_ref, rel=1e-5)
+    for name in NAMES:
+        assert_close_rel(grads[name], grads_ref[name], rel=1e-4)
+
+
+@settings(max_examples=4, deadline=None)
+@given(batch=st.integers(1, 2), time=st.integers(1, 12), key_heads=st.integers(1, 2), group=st.sampled_from([1, 3]),
+       dim_k=st.integers(1, 9), dim_v=st.integers(1, 9), channelwise=st.booleans(), seed=st.integers(0, 999))
+def test_random_shapes(batch, time, key_heads, group, dim_k, dim_v, channelwise, seed):
+    (o, final, grads), (o_ref, final_ref, grads_ref) = run_both(
+        inputs(batch, time, key_heads, group, dim_k, dim_v, channelwise, seed))
     assert_close_rel(o, o_ref, rel=1e-5)
     assert_close_rel(final, final_ref, rel=1e-5)
     for name in NAMES:
