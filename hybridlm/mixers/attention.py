@@ -39,6 +39,9 @@ class Attention(Mixer):
         if heads % kv_heads:
             raise invalid_config("num_key_value_heads", kv_heads,
                                  f"must divide num_attention_heads={heads} (GQA groups query heads evenly)")
+        if config.attention_qk_norm_whole and not config.attention_qk_norm:
+            raise invalid_config("attention_qk_norm_whole", True, "needs attention_qk_norm=True (it says how the "
+                                 "q/k norms are laid out)")
         if int(config.head_dim * config.partial_rotary_factor) % 2:
             raise invalid_config("partial_rotary_factor", config.partial_rotary_factor,
                                  f"head_dim={config.head_dim} * partial_rotary_factor must be even")

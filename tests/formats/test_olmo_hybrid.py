@@ -57,11 +57,13 @@ def test_without_rope_and_with_beta_below_one(tmp_path):
     check_greedy(hf, ours, ids[:1, :7])
 
 
-def test_post_norm_layers_must_name_layers():
+def test_bad_olmo_options_name_the_field():
     import hybridlm
 
     with pytest.raises(ValueError, match=r"HybridConfig.post_norm_layers=\[4\] is invalid"):
         hybridlm.HybridConfig(layer_pattern="DDDA", hidden_size=32, post_norm_layers=[4])
+    with pytest.raises(ValueError, match="attention_qk_norm_whole=True is invalid: needs attention_qk_norm=True"):
+        hybridlm.HybridConfig(layer_pattern="DA", hidden_size=32, attention_qk_norm_whole=True)
 
 
 def test_an_unknown_layer_type_is_named():
