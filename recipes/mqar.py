@@ -52,6 +52,9 @@ def parse_args(argv=None):
         help="train each cell on an even mix of this many pair counts halving down from its own (4 at (256, 32): "
              "32, 16, 8, 4), as Zoology trains on a mix of cells; held-out rows are the cell's own "
              "(default: %(default)s, the cell alone)")
+    add("--warm-cell", help="SEQ_LEN:KV_PAIRS: train every model on this (easier) cell for --warm-steps first, "
+        "then on its own cell: a curriculum, as Zoology trains on a mix of easy and hard cells")
+    add("--warm-steps", type=int, default=0, help="steps on --warm-cell (default: %(default)s, no warm-up cell)")
     add("--vocab-size", type=int, help="keys and values split it in half (FULL: 8192, as in Zoology)")
     add("--workers", type=int, default=1, help="training runs in parallel, one thread each (default: %(default)s)")
     add("--resume", action="store_true", help="keep the rows already in OUT/results.json and run the rest")
@@ -61,6 +64,9 @@ def parse_args(argv=None):
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.cells = [_cell(text) for text in args.cells]
+    if (args.warm_cell is None) != (args.warm_steps == 0):
+        parser.error("--warm-cell and --warm-steps (>= 1) go together")
+    args.warm_cell = _cell(args.warm_cell) if args.warm_cell else None
     if args.train_rows is None:
         args.train_rows = args.steps * args.batch_size
     for name in ("steps", "batch_size", "train_rows", "test_rows", "workers", "pair_mix"):
@@ -115,7 +121,7 @@ def run_job(job: dict, args) -> dict:
     from hybridlm import HybridForCausalLM
     from hybridlm.training import TrainConfig, train
     from hybridlm.training.checkpoint import CHECKPOINT_DIR
-    from hybridlm.training.mqar import answer_accuracy, answer_losses, mqar_config, state_bytes_per_sequence
+    from hybridlm.training.mqar import answer_accuracy, answer_losses, mqar_config, mqar_rows, state_bytes_per_sequence
 
     torch.set_num_threads(1)
     seq_len, kv_pairs = job["seq_len"], job["kv_pairs"]
@@ -127,16 +133,23 @@ def run_job(job: dict, args) -> dict:
     name = "-".join(str(job[k]) for k in ("mixer", "hidden_size", "state_size", "seq_len", "kv_pairs", "lr"))
     out = args.out / "runs" / name.replace(":", "_")
     started, cpu = time.perf_counter(), time.process_time()
-    last = train(model, train_rows, TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=job["lr"],
-                                                warmup=args.steps // 10, log_every=50, eval_every=args.steps,
-                                                save_every=args.steps, seed=args.seed),
-                 out, losses=answer_losses)
-    shutil.rmtree(out / CHECKPOINT_DIR, ignore_errors=True)  # thousands of small runs: keep metrics only
+    phases = [(train_rows, args.steps, out)]
+    if args.warm_cell:
+        warm_rows = mqar_rows(args.warm_steps * args.batch_size, *args.warm_cell, args.vocab_size,
+                              seed=args.seed * 2 + 3)
+        phases.insert(0, (warm_rows, args.warm_steps, out / "warm"))
+    for rows, steps, phase_out in phases:
+        last = train(model, rows, TrainConfig(steps=steps, batch_size=args.batch_size, lr=job["lr"],
+                                              warmup=steps // 10, log_every=50, eval_every=steps, save_every=steps,
+                                              seed=args.seed),
+                     phase_out, losses=answer_losses)
+        shutil.rmtree(phase_out / CHECKPOINT_DIR, ignore_errors=True)  # thousands of small runs: metrics only
     return dict(job, layer_types=list(config.layer_types), accuracy=answer_accuracy(model, test_rows),
                 final_loss=last["loss"], state_bytes_per_sequence=state_bytes_per_sequence(model, seq_len),
                 parameters=sum(p.numel() for p in model.parameters()), steps=args.steps,
                 batch_size=args.batch_size, train_rows=args.train_rows, test_rows=args.test_rows,
-                pair_mix=args.pair_mix,
+                pair_mix=args.pair_mix, warm_cell=args.warm_cell and ":".join(map(str, args.warm_cell)),
+                warm_steps=args.warm_steps,
                 train_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)
 
 
@@ -215,6 +228,8 @@ def main(argv=None) -> list[dict]:
 
     for seq_len, kv_pairs in args.cells:
         check_mqar_shape(args.vocab_size, seq_len, kv_pairs)  # bad input fails before any training
+    if args.warm_cell:
+        check_mqar_shape(args.vocab_size, *args.warm_cell)
     results = args.out / "runs.json"
     if (args.out / "results.json").exists() and not args.resume:
         raise SystemExit(f"{args.out}/results.json exists: pass --resume to continue that run, or another --out")

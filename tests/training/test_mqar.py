@@ -164,4 +164,8 @@ def test_recipe_attention_learns_recall(tmp_path):
 def test_recipe_refuses_cells_that_do_not_fit(tmp_path):
     with pytest.raises(ValueError, match="kv_pairs"):
         _recipe().main(["--out", str(tmp_path), "--cells", "64:32"])
+    with pytest.raises(ValueError, match="kv_pairs"):  # the warm-up cell too
+        _recipe().main(["--out", str(tmp_path), "--cells", "64:4", "--warm-cell", "16:8", "--warm-steps", "5"])
+    with pytest.raises(SystemExit):
+        _recipe().main(["--out", str(tmp_path), "--cells", "64:4", "--warm-cell", "64:4"])  # no --warm-steps
     assert not (tmp_path / "results.json").exists()
