@@ -111,8 +111,6 @@ class IncrementalDecoder:
             raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be >= 1")
         if stop_check_interval < 1:
             raise ValueError(f"stop_check_interval={stop_check_interval} must be >= 1")
-        if compile and (prefix_cache is not None or speculative is not None):  # both swap states or steps of their own
-            raise ValueError("IncrementalDecoder: compile=True does not combine with prefix_cache or speculative yet")
         self.decode_step = DecodeStep(model, compile=compile)
         self.stop_check_interval = stop_check_interval
         self.model = model

@@ -14,7 +14,6 @@ from hybridlm import CachePolicy
 from hybridlm.decode import DecodeStep, decode_logits
 from hybridlm.generation import IncrementalDecoder
 from hybridlm.kv.static import StaticKV
-from hybridlm.speculative import SpeculativeDecoding
 from tests.helpers import assert_close_rel, random_ids, tiny_model
 
 # kinds whose one-token update has fixed shapes (a sliding window's ring and the Linformer keep Python counters)
@@ -175,8 +174,3 @@ def test_compiled_decoder_equals_eager():
     expected = decode_logits(model, ids[:, 6:7], cache.snapshot())
     assert_close_rel(compiled.decode_step(ids[:, 6], cache), expected, rel=1e-5)
 
-
-def test_compile_refuses_what_it_does_not_serve():
-    with pytest.raises(ValueError, match="compile=True"):
-        IncrementalDecoder(tiny_model(layer_pattern="A"), compile=True,
-                           speculative=SpeculativeDecoding(prompt_lookup=2, num_draft_tokens=2))
