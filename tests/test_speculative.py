@@ -102,6 +102,20 @@ def test_greedy_speculative_with_a_prefix_cache_hit_equals_greedy():
         assert decoder.stats["prefix_hit_tokens"] == hit and decoder.stats["accepted_draft_tokens"] > 0
 
 
+def test_greedy_speculative_on_a_compiled_decoders_static_cache_equals_greedy():
+    """``compile=True`` prefills into a static cache; verification blocks and crops work on it (the rounds run
+    eagerly: nothing is compiled here)."""
+    target = tiny_model(0, layer_types=["mamba2", "attention"])
+    expected = IncrementalDecoder(target).generate(PROMPTS, max_new_tokens=12)
+    for speculative in (SpeculativeDecoding(draft_model=perturbed_copy(target, 0.1), num_draft_tokens=3),
+                        SpeculativeDecoding(prompt_lookup=2, num_draft_tokens=3)):
+        decoder = IncrementalDecoder(target, compile=True, speculative=speculative)
+        assert torch.equal(decoder.generate(PROMPTS, max_new_tokens=12), expected)
+        assert decoder.stats["draft_tokens"] > 0
+        if speculative.draft_model is not None:  # crops after partial acceptance ran
+            assert 0 < decoder.stats["acceptance_rate"] < 1
+
+
 @pytest.mark.parametrize("kwargs", [dict(assistant_model="draft"), dict(assistant_model="target"),
                                     dict(prompt_lookup_num_tokens=3)], ids=["draft", "draft=target", "lookup"])
 def test_transformers_assisted_generation_equals_greedy(kwargs):
