@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .norms import at_least_fp32
+
 GATED = {"silu": F.silu, "gelu": F.gelu}
 
 
@@ -106,13 +108,13 @@ class MoE(nn.Module):
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [tokens, E], weights [tokens, k], chosen [tokens, k])``; ``probs`` sum to one per token (the
         sigmoid scores normalised) and feed the load-balancing loss."""
-        logits = self.router(flat).float()
+        logits = at_least_fp32(self.router(flat))  # fp32, or fp64 in an fp64 model
         if self.router_kind == "softmax":
             probs = torch.softmax(logits, dim=-1)
             weights, chosen = probs.topk(self.top_k, dim=-1)
         else:
             scores = torch.sigmoid(logits)
-            chosen = self._eligible(scores + self.expert_bias.float()).topk(self.top_k, dim=-1).indices
+            chosen = self._eligible(scores + self.expert_bias.to(scores.dtype)).topk(self.top_k, dim=-1).indices
             weights = scores.gather(-1, chosen)
             probs = scores / scores.sum(-1, keepdim=True)
         if self.renormalize:
