@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import HybridCache
+from .decode import DecodeStep
 from .generation import IncrementalDecoder, SamplingSettings, choose_next, left_pad, sampling_probs
 
 
@@ -71,6 +72,7 @@ class DraftModelDrafter:
 
     def __init__(self, model, settings: SamplingSettings, generator: torch.Generator | None, chunk_size: int):
         self.decoder = IncrementalDecoder(model, prefill_chunk_size=chunk_size)
+        self.step = DecodeStep(model)  # one-token steps without forward's input checks (the ids are the draft's)
         self.model, self.settings, self.generator = model, settings, generator
         self.cache: HybridCache | None = None
 
@@ -85,14 +87,14 @@ class DraftModelDrafter:
             return tokens.new_zeros(tokens.shape[0], 0), tokens.new_zeros(tokens.shape[0]), None
         logits = self.model(tokens[:, self.cache.seen:].to(device), cache=self.cache, logits_to_keep=1).logits[:, -1]
         drafts, probs = [], []
-        for step in range(k):
+        for index in range(k):
             if self.settings.greedy:
                 drafts.append(logits.argmax(-1))  # [batch]
             else:
                 probs.append(sampling_probs(logits, self.settings))  # [batch, vocab]
                 drafts.append(torch.multinomial(probs[-1], 1, generator=self.generator).squeeze(-1))
-            if step + 1 < k:
-                logits = self.model(drafts[-1][:, None], cache=self.cache).logits[:, -1]
+            if index + 1 < k:
+                logits = self.step(drafts[-1], self.cache)
         drafts = torch.stack(drafts, 1)
         lengths = torch.full((tokens.shape[0],), k, dtype=torch.long)
         q = torch.stack(probs, 1).to(tokens.device) if probs else None  # greedy: q is not needed
