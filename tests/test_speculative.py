@@ -46,11 +46,11 @@ def drafters(target):
 def test_greedy_speculative_decoder_equals_greedy(name):
     target = tiny_model(0, layer_types=ATTENTION)
     speculative = drafters(target)[name]
-    settings = dict(max_new_tokens=24, stop_tokens=[11])
-    expected = IncrementalDecoder(target).generate(PROMPTS, **settings)  # left-padded batch of two
-    assert expected.shape == (2, 15 + 24)
+    options = dict(max_new_tokens=24, stop_tokens=[11])  # the second row stops after 20 tokens, the first does not
+    expected = IncrementalDecoder(target).generate(PROMPTS, **options)  # left-padded batch of two
+    assert expected.shape == (2, 15 + 24) and (expected[1, -4:] == 0).all() and (expected[0, -4:] != 0).all()
     decoder = IncrementalDecoder(target, speculative=speculative)
-    assert torch.equal(decoder.generate(PROMPTS, **settings), expected)
+    assert torch.equal(decoder.generate(PROMPTS, **options), expected)
     stats = decoder.stats
     assert stats["draft_tokens"] > 0 and stats["decode_tokens"] == 24
     assert stats["acceptance_rate"] == stats["accepted_draft_tokens"] / stats["draft_tokens"]
