@@ -12,6 +12,10 @@ from hybridlm.kv.layouts import _WindowKV
 from hybridlm.kv.paged import PagedKV
 from hybridlm.kv.quantize import QuantizedKV
 from hybridlm.mixers.base import MIXERS
+from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_windows
+from hybridlm.ops.delta_rule import gated_delta_rule_ref, gated_delta_rule_states
+from hybridlm.ops.selective_scan import selective_scan_ref, selective_scan_states
+from hybridlm.ops.ssd import ssd_chunk_scan_ref, ssd_states
 from hybridlm.rollback import StateHistory
 from tests.helpers import assert_close_rel, random_ids, tiny_model
 
@@ -302,3 +306,39 @@ def test_state_history_ring_against_a_list(capacity, ops):
             expected = expected[:-n]
             assert newest.tolist() == [[expected[-1]] * 2]
         assert history.count == len(expected)
+
+
+@settings(max_examples=6, deadline=None)
+@given(time=st.integers(1, 40), seed=st.integers(0, 99))
+def test_per_token_state_forms_match_each_prefix_of_the_ops(time, seed):
+    """Each vectorised per-token form, at token t, equals the op's own final state after the first t tokens
+    (fp32 scans: 1e-5; the delta rule in float64: 1e-10; conv windows bit for bit)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g, dtype=dtype)
+
+    b, d, n, h, p = 2, 6, 4, 4, 3
+    u, dt, A, B, h0 = randn(b, d, time), randn(b, d, time).exp() / 4, -randn(d, n).exp(), randn(b, 2, n, time), \
+        randn(b, d, n)
+    x, dt2, A2, B2, C2, s0 = randn(b, time, h, p), randn(b, time, h).exp() / 4, -randn(h).exp(), \
+        randn(b, time, 2, n), randn(b, time, 2, n), randn(b, h, p, n)
+    f64 = dict(dtype=torch.float64)
+    q, k = (torch.nn.functional.normalize(randn(b, time, 2, n, **f64), dim=-1) for _ in range(2))
+    v, beta, S0 = randn(b, time, h, p, **f64), randn(b, time, h, **f64).sigmoid(), randn(b, h, n, p, **f64)
+    gates = {"head": -randn(b, time, h, **f64).exp(), "channel": -randn(b, time, h, n, **f64).exp()}
+    conv_x, window, weight = randn(b, d, time), randn(b, d, 3), randn(d, 4)
+    scan_states = selective_scan_states(u, dt, A, B, h0)
+    ssd = ssd_states(x, dt2, A2, B2, s0)
+    delta = {kind: gated_delta_rule_states(k, v, gate, beta, S0, chunk_size=16) for kind, gate in gates.items()}
+    windows = causal_conv1d_windows(conv_x, window)
+    for t in {1, time // 2 + 1, time}:
+        assert_close_rel(scan_states[:, t - 1], selective_scan_ref(u[..., :t], dt[..., :t], A, B[..., :t],
+                                                                   B[..., :t], initial_state=h0)[1])
+        assert_close_rel(ssd[:, t - 1], ssd_chunk_scan_ref(x[:, :t], dt2[:, :t], A2, B2[:, :t], C2[:, :t], 8,
+                                                           initial_state=s0)[1])
+        for kind, gate in gates.items():
+            final = gated_delta_rule_ref(q[:, :t], k[:, :t], v[:, :t], gate[:, :t], beta[:, :t], initial_state=S0,
+                                         chunk_size=8)[1]
+            assert_close_rel(delta[kind][:, t - 1], final, 1e-10)
+        assert torch.equal(windows[:, t - 1], causal_conv1d_ref(conv_x[..., :t], weight, initial_state=window)[1])
