@@ -7,7 +7,8 @@ Keys vary most across channels (a few outlier channels), values across tokens, h
 
 The most recent tokens stay in full precision (at least ``residual``, fewer than ``residual + group``); once
 ``group`` tokens beyond ``residual`` have accumulated, the oldest ``group`` are quantized together. Codes are
-packed along the channels: one int8, two int4 or four int2 per byte. Reads dequantize (the reference path).
+packed along the channels: one int8, two int4 or four int2 per byte. Multi-token reads dequantize (the reference
+path); one-token decode steps attend from the codes directly (:mod:`.quantized_attention`).
 
 Bytes per batch row with ``n`` tokens seen, ``q = group * floor(max(0, n - residual) / group)`` of them
 quantized (``H`` key/value heads, ``D`` head_dim, ``e`` element size of the model dtype, ``b`` bits)::
@@ -18,32 +19,33 @@ quantized (``H`` key/value heads, ``D`` head_dim, ``e`` element size of the mode
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
 from ..cache import KVLayout, KVView, _tensor_nbytes
+from .quantized_attention import QuantizedHistory
 
 BITS = (2, 4, 8)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``codes [..., n]`` (uint8, each < 2**bits) -> ``[..., n * bits / 8]`` uint8; element ``i`` of a byte
-    sits in bits ``i * bits .. (i + 1) * bits - 1``."""
+    """``codes [..., n]`` (uint8, each < 2**bits) -> ``[..., m]`` uint8 with ``m = n * bits / 8``, in planes:
+    bits ``i * bits .. (i + 1) * bits - 1`` of byte ``j`` hold element ``i * m + j``, so that each plane is a
+    contiguous range of channels (what decode reads without interleaving, see :mod:`.quantized_attention`)."""
     if bits == 8:
         return codes
-    per_byte = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)  # [per_byte]
-    grouped = codes.view(*codes.shape[:-1], -1, per_byte)  # [..., n / per_byte, per_byte]
-    return (grouped << shifts).sum(-1, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)[:, None]  # [per_byte, 1]
+    planes = codes.view(*codes.shape[:-1], 8 // bits, -1)  # [..., per_byte, m]
+    return (planes << shifts).sum(-2, dtype=torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``[..., m]`` uint8 -> ``[..., m * 8 / bits]`` codes."""
     if bits == 8:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    codes = (packed[..., None] >> shifts) & (2**bits - 1)  # [..., m, per_byte]
-    return codes.flatten(-2)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)[:, None]
+    return ((packed[..., None, :] >> shifts) & (2**bits - 1)).flatten(-2)  # [..., per_byte, m] -> [..., n]
 
 
 def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,6 +96,9 @@ class QuantizedKV(KVLayout):
     quantized: int = 0
     recent: int = 0
     has_padding: bool = False
+    #: one-token decode steps attend straight from the codes (:mod:`.quantized_attention`); False: the
+    #: reference path (dequantize the history, then attention), for tests and benchmarks
+    fused_decode: ClassVar[bool] = True
 
     @classmethod
     def empty(cls, batch_size, kv_heads, head_dim, *, bits, group, residual, device=None, dtype=None):
@@ -147,14 +152,28 @@ class QuantizedKV(KVLayout):
         self.recent_keys[:, :, self.recent : self.recent + time] = keys
         self.recent_values[:, :, self.recent : self.recent + time] = values
         self.recent += time
+        slots = torch.arange(self.seen, device=keys.device)
+        view = dict(slots=slots, valid=self._validity(slots), query_slots=slots[first:], query_positions=positions,
+                    in_order=True)
+        if time == 1 and self.quantized and self.fused_decode:
+            history = self.history(view["valid"])
+            self._quantize_aged()  # after the history is taken: this step reads its own token in full precision
+            return KVView(None, None, attend=history.attend, **view)
         view_keys, view_values = self.recent_keys[:, :, : self.recent], self.recent_values[:, :, : self.recent]
         if self.quantized:
             old_keys, old_values = self.dequantized()
             view_keys, view_values = torch.cat([old_keys, view_keys], 2), torch.cat([old_values, view_values], 2)
         self._quantize_aged()  # after the view is taken: this forward reads its own tokens in full precision
-        slots = torch.arange(self.seen, device=keys.device)
-        return KVView(view_keys, view_values, slots, self._validity(slots), query_slots=slots[first:],
-                      query_positions=positions, in_order=True)
+        return KVView(view_keys, view_values, **view)
+
+    def history(self, valid: torch.Tensor | None = None) -> QuantizedHistory:
+        """The tokens held now, as views for :class:`~.quantized_attention.QuantizedHistory` (decode attention
+        read from the codes); ``valid [batch, 1, seen]`` or None."""
+        q, blocks, r = self.quantized, self.quantized // self.group, self.recent
+        return QuantizedHistory(self.key_codes[:, :, :q], self.key_scale[:, :, :blocks], self.key_zero[:, :, :blocks],
+                                self.value_codes[:, :, :q], self.value_scale[:, :, :q], self.value_zero[:, :, :q],
+                                self.recent_keys[:, :, :r], self.recent_values[:, :, :r], valid, bits=self.bits,
+                                group=self.group)
 
     croppable = True
 
