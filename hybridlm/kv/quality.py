@@ -49,25 +49,32 @@ def perplexity_by_policy(model, ids: torch.Tensor, policies: dict, segment: int)
     return result
 
 
-def main() -> None:
-    import hybridlm
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from hybridlm.bundled import BUNDLED_MODELS, bundled_model_dir
     from hybridlm.formats import load
     from hybridlm.training.corpus import stdlib_corpus
     from hybridlm.training.tokenizer import tokenizer_for
 
-    directory = hybridlm.bundled_model_dir()
+    parser = argparse.ArgumentParser(description="KV cache policies' quality cost on a bundled model")
+    parser.add_argument("--model", choices=list(BUNDLED_MODELS), default="hybrid")
+    parser.add_argument("--skip-kl", action="store_true", help="only the perplexity by policy")
+    args = parser.parse_args(argv)
+    directory = bundled_model_dir(args.model)
     model = load(directory, dtype=torch.float32).eval()
     tokenizer = tokenizer_for(directory, model.config.vocab_size)
     text = "\n".join(stdlib_corpus().held_out_texts)
     ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"][:4096]])
-    print("KL from the full-precision cache, 4K context (prefill 3840, then 256 decoded):")
-    print(kl_by_bits(model, ids, prefill=3840, kv_group_size=32, kv_residual=128))
+    if not args.skip_kl:
+        print("KL from the full-precision cache, 4K context (prefill 3840, then 256 decoded):")
+        print(kl_by_bits(model, ids, prefill=3840, kv_group_size=32, kv_residual=128))
     policies = {"full": None, "window 256": CachePolicy(window=256),
                 "sinks 4 + window 252": CachePolicy(sink_tokens=4, window=252),
                 "h2o 128 + window 128": CachePolicy(heavy_hitters=128, window=128)}
     print("perplexity per 512 tokens of a 4096-token stream (trained at 512):")
     for name, values in perplexity_by_policy(model, ids, policies, 512).items():
-        print(name, " ".join(f"{v:.2f}" for v in values))
+        print(name, " ".join(f"{v:.2f}" for v in values), flush=True)
 
 
 if __name__ == "__main__":
