@@ -18,7 +18,7 @@ from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import RMSNorm
 from ..ops.causal_conv1d import causal_conv1d_windows
-from ..ops.selective_scan import selective_scan_states
+from ..ops.selective_scan import selective_scan_with_states
 from .base import Mixer, check_dt_range, register, zero_padding
 from .segments import check_stateless
 
@@ -100,16 +100,17 @@ class Mamba(Mixer):
             ).unsqueeze(-1)
             if track:
                 state.keep_states()
+        elif track:  # one pass of the reference's chunked scan (whichever backend the device has): output and states
+            y, per_token = selective_scan_with_states(u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2),
+                                                      state.ssm, D=self.D, z=z)
+            state.ssm.copy_(per_token[:, -1])
+            state.keep_states(conv=windows, ssm=per_token)
         else:
             y, final = ops.selective_scan(
                 u, dt.transpose(1, 2), A, B.transpose(1, 2), C.transpose(1, 2), D=self.D, z=z,
                 initial_state=state.ssm if state is not None else None, **packed,
             )
-            if track:  # the reference's chunked scan, whichever backend ran the forward
-                per_token = selective_scan_states(u, dt.transpose(1, 2), A, B.transpose(1, 2), state.ssm)
             if state is not None:
                 state.ssm.copy_(final)
-            if track:
-                state.keep_states(conv=windows, ssm=per_token)
         out = self.out_proj(y.transpose(1, 2))  # [batch, time, hidden]
         return out if segments is None else segments.rows(out)

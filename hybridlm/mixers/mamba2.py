@@ -16,7 +16,7 @@ from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import GatedRMSNorm
 from ..ops.causal_conv1d import causal_conv1d_windows
-from ..ops.ssd import ssd_states
+from ..ops.ssd import ssd_readout, ssd_states
 from .base import Mixer, check_dt_range, invalid_config, register, zero_padding
 from .mamba import inverse_softplus_dt
 from .segments import check_stateless
@@ -108,17 +108,18 @@ class Mamba2(Mixer):
             ).unsqueeze(1)
             if track:
                 state.keep_states()
+        elif track:  # the reference's per-token states (whichever backend the device has), read out by C
+            per_token = ssd_states(xs, dt, A, B, state.ssm)  # [batch, time, heads, head_dim, d_state]
+            y = ssd_readout(per_token, C, xs, self.D)
+            state.ssm.copy_(per_token[:, -1])
+            state.keep_states(conv=windows, ssm=per_token)
         else:
             y, final = ops.ssd_chunk_scan(
                 xs, dt, A, B, C, self.chunk_size, D=self.D,
                 initial_state=state.ssm if state is not None else None, **packed,
             )
-            if track:  # the reference's chunked form, whichever backend ran the forward
-                per_token = ssd_states(xs, dt, A, B, state.ssm)
             if state is not None:
                 state.ssm.copy_(final)
-            if track:
-                state.keep_states(conv=windows, ssm=per_token)
         y = y.reshape(batch, time, self.d_inner)
         y = y * F.silu(z) if self.norm is None else self.norm(y, z)
         out = self.out_proj(y)  # [batch, time, hidden]

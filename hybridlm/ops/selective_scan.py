@@ -170,11 +170,16 @@ def selective_scan_ref(
         final = state.new_zeros(len(bounds) - 1, dim, dstate) if initial_state is None else initial_state.float()
         ended = torch.cat(ended)[:, 0] if ended else state.new_zeros(0, dim, dstate)
         state = final.index_put((nonempty_spans(bounds, u.device).index,), ended)
+    return _skip_and_gate(y, u, D, z), state
+
+
+def _skip_and_gate(y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
+    """``(y + D u) * silu(z)`` in fp32, cast to ``u``'s dtype (``y`` fp32, ``u, z [batch, dim, time]``, ``D [dim]``)."""
     if D is not None:
-        y = y + uf * D.float().unsqueeze(-1)
+        y = y + u.float() * D.float().unsqueeze(-1)
     if z is not None:
         y = y * F.silu(z.float())
-    return y.to(u.dtype), state
+    return y.to(u.dtype)
 
 
 def selective_state_update_ref(
@@ -231,15 +236,24 @@ def selective_state_update_ref(
     return y.flatten(1, 2) if headless else y
 
 
-def selective_scan_states(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-                          initial_state: torch.Tensor) -> torch.Tensor:
-    """The state after each token of :func:`selective_scan_ref` (``delta`` already biased and soft-plussed):
-    ``[batch, time, dim, dstate]`` fp32, from the same two-level chunked scan (what rolling the state back to
-    any token needs). ``u, delta [batch, dim, time]``, ``B [batch, (groups,) dstate, time]``."""
+def selective_scan_with_states(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                               C: torch.Tensor, initial_state: torch.Tensor, D: torch.Tensor | None = None,
+                               z: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`selective_scan_ref`'s output and the state after each token, from one pass of the same two-level
+    chunked scan (``delta`` already biased and soft-plussed): a forward that keeps the states (for rollback)
+    need not scan twice. ``u, delta, z [batch, dim, time]``, ``B, C [batch, (groups,) dstate, time]``. Returns
+    ``(y like u, states [batch, time, dim, dstate] fp32)``."""
     time = u.shape[-1]
-    Bt = _grouped(B, "B").float()
+    Bt, Ct = _grouped(B, "B").float(), _grouped(C, "C").float()
     ut, dtt = (t.float().permute(2, 0, 1).contiguous() for t in (u, delta))  # [time, batch, dim]
     every = Restarts(torch.zeros(0, dtype=torch.long, device=u.device), None, torch.arange(time, device=u.device))
-    _, _, states = _scan_block(ut, dtt, A.float(), Bt, Bt, initial_state.float(), min(_CHUNK, time),
+    y, _, states = _scan_block(ut, dtt, A.float(), Bt, Ct, initial_state.float(), min(_CHUNK, time),
                                not torch.is_grad_enabled(), every)
-    return states.transpose(0, 1)  # [batch, time, dim, dstate]
+    return _skip_and_gate(y.permute(1, 2, 0), u, D, z), states.transpose(0, 1)
+
+
+def selective_scan_states(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                          initial_state: torch.Tensor) -> torch.Tensor:
+    """The state after each token of :func:`selective_scan_ref` (what rolling the state back to any token
+    needs): ``[batch, time, dim, dstate]`` fp32; see :func:`selective_scan_with_states`."""
+    return selective_scan_with_states(u, delta, A, B, B, initial_state)[1]

@@ -169,9 +169,15 @@ def ssd_through(scan, x, dt, A, B, C, chunk_size, D=None, initial_state=None, fu
         return scan(C, B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), chunk_size, initial_state,
                     skip=None if D is None else x, skip_weight=weight, dtype=x.dtype, **scan_options)
     y, final = scan(C, B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), chunk_size, initial_state, **scan_options)
+    return with_skip(y, x, D), final
+
+
+def with_skip(y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None) -> torch.Tensor:
+    """``y + D x`` in fp32, cast to ``x``'s dtype: ``y`` fp32 and ``x [..., heads, head_dim]``, ``D [heads]`` or
+    ``[heads, head_dim]`` (None: no skip)."""
     if D is not None:
         y = y + x.float() * (D.float().unsqueeze(-1) if D.dim() == 1 else D.float())
-    return y.to(x.dtype), final
+    return y.to(x.dtype)
 
 
 def ssd_chunk_scan_ref(
@@ -206,24 +212,32 @@ def ssd_chunk_scan_ref(
 def decay_scan_states(k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor, initial_state: torch.Tensor,
                       chunk_size: int = 64) -> torch.Tensor:
     """The state after each token of :func:`chunked_decay_scan` (what rolling it back to any token needs):
-    ``[batch, time, heads, dim_v, dim_k]`` fp32. ``k [batch, time, groups, dim_k]``, ``v [batch, time, heads,
-    dim_v]``, ``log_decay [batch, time, heads]``, ``initial_state [batch, heads, dim_v, dim_k]``. Inside a chunk
-    ``S[t] = exp(G[t]) S_in + sum_{s<=t} exp(G[t] - G[s]) v[s] (outer) k[s]`` (the segment-sum matrix, as in
-    the scan); only the chunk-to-chunk carry is a loop."""
-    heads = v.shape[2]
-    kf = k.float().repeat_interleave(heads // k.shape[2], dim=2)  # [b, t, h, n]
-    vf, gf, state = v.float(), log_decay.float(), initial_state.float()
+    ``[batch, time, heads, dim_v, dim_k]`` fp32 (a transposed view of ``[batch, heads, time, ...]`` storage).
+    ``k [batch, time, groups, dim_k]``, ``v [batch, time, heads, dim_v]``, ``log_decay [batch, time, heads]``,
+    ``initial_state [batch, heads, dim_v, dim_k]``. Inside a chunk ``S[t] = exp(G[t]) S_in + sum_{s<=t}
+    exp(G[t] - G[s]) v[s] (outer) k[s]`` (the segment-sum matrix, as in the scan): one matrix product whose first
+    source is the entering state, so each chunk allocates its states once; only the chunk-to-chunk carry is a
+    loop."""
+    batch, time, heads, dim_v = v.shape
+    kf = k.float().repeat_interleave(heads // k.shape[2], dim=2).transpose(1, 2)  # [b, h, t, n]
+    vf, gf, state = v.float().transpose(1, 2), log_decay.float().transpose(1, 2), initial_state.float()
     states = []
-    for start in range(0, v.shape[1], chunk_size):
-        part = slice(start, start + chunk_size)
-        g = gf[:, part].transpose(1, 2)  # [b, h, l]
-        inside = torch.exp(segment_sum(g))  # [b, h, l, s]: decay from token s to token l
-        drive = torch.einsum("bshp,bshn->bhspn", vf[:, part], kf[:, part])  # [b, h, s, p, n]
-        added = (inside @ drive.flatten(3)).unflatten(3, drive.shape[3:]).transpose(1, 2)  # [b, l, h, p, n]
-        chunk = added + torch.exp(g.cumsum(-1)).transpose(1, 2)[..., None, None] * state[:, None]
+    for start in range(0, time, chunk_size):
+        g = gf[..., start : start + chunk_size]  # [b, h, l]
+        length = g.shape[-1]
+        # [b, h, l, 1 + l]: the decay of the entering state, and of each token's outer product, to token l
+        weights = torch.cat([torch.exp(g.cumsum(-1)).unsqueeze(-1), torch.exp(segment_sum(g))], dim=-1)
+        v_part, k_part = vf[:, :, start : start + length, :, None], kf[:, :, start : start + length, None, :]
+        if torch.is_grad_enabled():  # (out= cannot record a graph)
+            sources = torch.cat([state.unsqueeze(2), v_part * k_part], dim=2)  # [b, h, 1 + s, p, n]
+        else:  # the outer products written in place: one allocation of the chunk's size fewer
+            sources = vf.new_empty(batch, heads, 1 + length, dim_v, kf.shape[-1])
+            sources[:, :, 0] = state
+            torch.mul(v_part, k_part, out=sources[:, :, 1:])
+        chunk = (weights @ sources.flatten(3)).view(batch, heads, length, dim_v, -1)  # [b, h, l, p, n]
         states.append(chunk)
-        state = chunk[:, -1]
-    return torch.cat(states, dim=1)
+        state = chunk[:, :, -1]
+    return (states[0] if len(states) == 1 else torch.cat(states, dim=2)).transpose(1, 2)
 
 
 def ssd_states(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -232,3 +246,14 @@ def ssd_states(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     head_dim, dstate]`` fp32."""
     dtf = dt.float()
     return decay_scan_states(B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), initial_state)
+
+
+def ssd_readout(states: torch.Tensor, C: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`ssd_chunk_scan_ref`'s output from its per-token states (:func:`ssd_states`): ``y[t] = S[t] C[t] +
+    D x[t]``, like ``x``. A forward that keeps the states reads its output out of them instead of running the
+    scan a second time. ``states [batch, time, heads, head_dim, dstate]`` fp32, ``C [batch, time, groups,
+    dstate]``, ``x [batch, time, heads, head_dim]``, ``D [heads]`` or ``[heads, head_dim]``."""
+    heads, groups = states.shape[2], C.shape[2]
+    by_head = C.float().repeat_interleave(heads // groups, dim=2).transpose(1, 2).unsqueeze(-1)  # [b, h, t, n, 1]
+    y = (states.transpose(1, 2) @ by_head).squeeze(-1).transpose(1, 2)  # [b, t, h, p] fp32
+    return with_skip(y, x, D)
