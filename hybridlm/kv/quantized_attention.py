@@ -58,24 +58,24 @@ class QuantizedHistory:
         if time != 1 or q_heads % heads:
             raise ValueError(f"quantized decode attention takes one query per row and a multiple of {heads} "
                              f"query heads (got {time} queries, {q_heads} heads)")
-        dtype = self.recent_keys.dtype
+        dtype = torch.promote_types(self.recent_keys.dtype, torch.float32)  # bf16 / fp16 caches: fp32 arithmetic
         q = q.to(dtype).view(batch, heads, q_heads // heads, dim) * (scale if scale is not None else dim**-0.5)
-        scores = torch.cat([self._quantized_scores(q), q @ self.recent_keys.transpose(-1, -2)], -1)
+        scores = torch.cat([self._quantized_scores(q), q @ self.recent_keys.to(dtype).transpose(-1, -2)], -1)
         if self.valid is not None:
             scores = scores.masked_fill(~self.valid[:, :, None], -torch.inf)  # [b, h, g, n]
-        probs = scores.softmax(-1, dtype=torch.promote_types(dtype, torch.float32)).to(dtype)
+        probs = scores.softmax(-1)
         quantized = self.value_codes.shape[2]
-        out = self._quantized_values(probs[..., :quantized]) + probs[..., quantized:] @ self.recent_values
-        return out.view(batch, q_heads, 1, dim)
+        out = self._quantized_values(probs[..., :quantized]) + probs[..., quantized:] @ self.recent_values.to(dtype)
+        return out.view(batch, q_heads, 1, dim).to(self.recent_values.dtype)
 
     def _quantized_scores(self, q: torch.Tensor) -> torch.Tensor:
         """``q [b, h, g, d]`` (scaled) -> scores ``[b, h, g, quantized]`` against the quantized keys."""
         batch, heads, per_head, dim = q.shape
         blocks, group = self.key_scale.shape[2], self.group
-        scaled = q[:, :, None] * self.key_scale[:, :, :, None]  # [b, h, blocks, g, d]: q_c s_{n,c}
+        scaled = q[:, :, None] * self.key_scale[:, :, :, None].to(q.dtype)  # [b, h, blocks, g, d]: q_c s_{n,c}
         codes = codes_as(self.key_codes, self.bits, q.dtype).view(batch, heads, blocks, group, dim)
         scores = scaled @ codes.transpose(-1, -2)  # [b, h, blocks, g, group]
-        scores = scores + (self.key_zero @ q.transpose(-1, -2))[..., None]  # + Σ_c q_c z_{n,c}
+        scores = scores + (self.key_zero.to(q.dtype) @ q.transpose(-1, -2))[..., None]  # + Σ_c q_c z_{n,c}
         return scores.permute(0, 1, 3, 2, 4).reshape(batch, heads, per_head, blocks * group)
 
     def _quantized_values(self, probs: torch.Tensor) -> torch.Tensor:
@@ -83,10 +83,10 @@ class QuantizedHistory:
         matmul for all channel groups ``k``: row ``(g, k)`` weighs token ``t`` by ``p_t σ_{t,k}``; channel ``c``
         takes its own group's row (the diagonal blocks)."""
         batch, heads, per_head, quantized = probs.shape
-        groups = self.value_scale.shape[-1]
-        weights = torch.stack([probs * self.value_scale[:, :, None, :, k] for k in range(groups)], 3)  # [b,h,g,k,t]
+        groups, value_scale = self.value_scale.shape[-1], self.value_scale.to(probs.dtype)
+        weights = torch.stack([probs * value_scale[:, :, None, :, k] for k in range(groups)], 3)  # [b,h,g,k,t]
         weights = weights.view(batch, heads, per_head * groups, quantized)
         codes = codes_as(self.value_codes, self.bits, probs.dtype)  # [b, h, quantized, d]
         every = (weights @ codes).view(batch, heads, per_head, groups, groups, self.group)  # rows k, channels (k', j)
         own = every.diagonal(dim1=3, dim2=4).transpose(-1, -2).reshape(batch, heads, per_head, -1)  # k == k'
-        return own + (probs @ self.value_zero).repeat_interleave(self.group, -1)  # + Σ_t p_t ζ_{t,k(c)}
+        return own + (probs @ self.value_zero.to(probs.dtype)).repeat_interleave(self.group, -1)  # + Σ_t p_t ζ_{t,k(c)}
