@@ -15,8 +15,8 @@ from .. import ops
 from ..cache import SSMState
 from ..layers.conv import ShortConv
 from ..layers.norms import GatedRMSNorm
+from ..ops import ssd
 from ..ops.causal_conv1d import causal_conv1d_windows
-from ..ops.ssd import ssd_readout, ssd_states
 from .base import Mixer, check_dt_range, invalid_config, register, zero_padding
 from .mamba import inverse_softplus_dt
 from .segments import check_stateless
@@ -108,11 +108,14 @@ class Mamba2(Mixer):
             ).unsqueeze(1)
             if track:
                 state.keep_states()
-        elif track:  # the reference's per-token states (whichever backend the device has), read out by C
-            per_token = ssd_states(xs, dt, A, B, state.ssm)  # [batch, time, heads, head_dim, d_state]
-            y = ssd_readout(per_token, C, xs, self.D)
+        elif track or (state is not None and ssd.per_token_is_faster(xs, self.d_state)):
+            # the reference's per-token states (whichever backend the device has), read out by C: kept for
+            # rollback, or a short forward on CPU where this beats the chunked scan
+            per_token = ssd.ssd_states(xs, dt, A, B, state.ssm)  # [batch, time, heads, head_dim, d_state]
+            y = ssd.ssd_readout(per_token, C, xs, self.D)
             state.ssm.copy_(per_token[:, -1])
-            state.keep_states(conv=windows, ssm=per_token)
+            if track:
+                state.keep_states(conv=windows, ssm=per_token)
         else:
             y, final = ops.ssd_chunk_scan(
                 xs, dt, A, B, C, self.chunk_size, D=self.D,

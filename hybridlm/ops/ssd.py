@@ -248,6 +248,18 @@ def ssd_states(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tens
     return decay_scan_states(B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), initial_state)
 
 
+#: A short forward whose per-token states hold at most this many elements (batch x time x heads x head_dim x
+#: dstate) computes them and reads its output out of them on CPU: faster there than the chunked scan's many small
+#: ops (measured on the small presets' shapes: 0.22 against 0.38 ms for 2 tokens, even at 160K elements).
+PER_TOKEN_ELEMENTS = 1 << 17
+
+
+def per_token_is_faster(x: torch.Tensor, dstate: int) -> bool:
+    """Whether the SSD of ``x [batch, time, heads, head_dim]`` is cheaper through :func:`ssd_states` and
+    :func:`ssd_readout` than through the chunked scan (CPU reference only; GPU kernels keep their path)."""
+    return x.device.type == "cpu" and x.numel() * dstate <= PER_TOKEN_ELEMENTS
+
+
 def ssd_readout(states: torch.Tensor, C: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`ssd_chunk_scan_ref`'s output from its per-token states (:func:`ssd_states`): ``y[t] = S[t] C[t] +
     D x[t]``, like ``x``. A forward that keeps the states reads its output out of them instead of running the

@@ -1,6 +1,8 @@
 """A warm forward that keeps per-token states (rollback) reads its output out of them instead of scanning twice:
 its outputs and states must equal the plain forward's, and the per-token forms the ops' outputs."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 from hybridlm.mixers.mamba import Mamba
 from hybridlm.mixers.mamba2 import Mamba2
+from hybridlm.ops import ssd
 from hybridlm.ops.selective_scan import selective_scan_ref, selective_scan_with_states
 from hybridlm.ops.ssd import ssd_chunk_scan_ref, ssd_readout, ssd_states
 from tests.helpers import assert_close_rel, tiny_config
@@ -28,7 +31,9 @@ def mixer(cls, seed: int, **overrides):
 @settings(max_examples=12, deadline=None)
 @given(cls=st.sampled_from([Mamba, Mamba2]), time=st.sampled_from([2, 3, 5, 9, 17, 64]),
        batch=st.integers(1, 2), groups=st.sampled_from([1, 2]), seed=st.integers(0, 99))
-def test_tracked_warm_forward_equals_the_plain_one(cls, time, batch, groups, seed):
+def test_tracked_and_short_warm_forwards_equal_the_chunked_scan(cls, time, batch, groups, seed):
+    """A forward keeping per-token states, and a short plain one on CPU (Mamba-2 reads both out of the states),
+    against a plain forward through the chunked scan."""
     layer = mixer(cls, seed, mamba2_n_groups=groups)
     hidden = layer.config.hidden_size
     gen = torch.Generator().manual_seed(seed)
@@ -36,14 +41,23 @@ def test_tracked_warm_forward_equals_the_plain_one(cls, time, batch, groups, see
     with torch.no_grad():
         tracked = layer.init_state(batch)
         layer(prompt, tracked)
-        plain = tracked.clone()
-        plain.paused = True
+        short, scanned = tracked.clone(), tracked.clone()
+        short.paused = scanned.paused = True
         got = layer(block, tracked)
-        expected = layer(block, plain)
-    assert tracked.history is not None and plain.history is None  # one side kept per-token states, one did not
-    assert_close_rel(got, expected)
-    assert_close_rel(tracked.ssm, plain.ssm)
-    assert torch.equal(tracked.conv, plain.conv)
+        got_short = layer(block, short)
+        with mock.patch.object(ssd, "PER_TOKEN_ELEMENTS", 0):  # the chunked scan, whatever the size
+            expected = layer(block, scanned)
+    assert tracked.history is not None and scanned.history is None  # one side kept per-token states, one did not
+    for out, state in ((got, tracked), (got_short, short)):
+        assert_close_rel(out, expected)
+        assert_close_rel(state.ssm, scanned.ssm)
+        assert torch.equal(state.conv, scanned.conv)
+
+
+def test_short_forwards_take_the_per_token_form_on_cpu_only_when_small():
+    x = torch.zeros(1, 4, 16, 32)
+    assert ssd.per_token_is_faster(x, 64) and not ssd.per_token_is_faster(torch.zeros(1, 64, 16, 32), 64)
+    assert not ssd.per_token_is_faster(x.to("meta"), 64)
 
 
 @pytest.mark.parametrize("per_channel_D", [False, True])
