@@ -25,7 +25,8 @@ def _decode_logits(model, ids: torch.Tensor, policy, prefill: int, chunk: int = 
            for start in range(0, prefill, chunk)][-1:]
     for t in range(prefill, ids.shape[1] - 1):
         out.append(model(ids[:, t:t + 1], cache=cache).logits)
-    return torch.cat(out, 1)[0].float().log_softmax(-1)
+    logits = torch.cat(out, 1)[0]
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
 
 
 def kl_by_bits(model, ids: torch.Tensor, prefill: int, bits=(8, 4, 2), **policy) -> dict[int, float]:
