@@ -174,3 +174,15 @@ def test_compiled_decoder_equals_eager():
     expected = decode_logits(model, ids[:, 6:7], cache.snapshot())
     assert_close_rel(compiled.decode_step(ids[:, 6], cache), expected, rel=1e-5)
 
+
+
+def test_moe_routes_densely_only_where_it_costs_little():
+    """Eager, a batch-1 step of an 8-expert top-2 MoE stays sparse (reading every expert's weights would cost 4x);
+    a batch whose choices reach every expert runs them all (compiled steps always do: test_the_step_traces_whole);
+    a long forward never does."""
+    from hybridlm.layers.mlp import DENSE_ROUTING_TOKENS, MoE
+
+    model = tiny_model(layer_pattern="A", mlp_types=["moe"], num_experts=8)
+    moe = next(module for module in model.modules() if isinstance(module, MoE))
+    assert [moe.routes_densely(tokens) for tokens in (1, 3, 4, DENSE_ROUTING_TOKENS + 1)] == [False, False, True,
+                                                                                                False]

@@ -54,8 +54,9 @@ def load_balancing_loss(statistics: torch.Tensor) -> torch.Tensor:
     return statistics.shape[-1] * (selections * probability).sum()
 
 
-#: Up to this many tokens (decode steps), MoE runs every expert on every token: fixed shapes and no host sync
-#: (the sparse path's ``nonzero`` reads the routing back), at most ``num_experts / top_k`` times the FLOPs.
+#: Up to this many tokens (decode steps), MoE may run every expert on every token (weight 0 where not chosen):
+#: fixed shapes and no host sync, where the sparse path's ``nonzero`` reads the routing back. See
+#: :meth:`MoE.routes_densely` for when.
 DENSE_ROUTING_TOKENS = 64
 
 
@@ -149,11 +150,20 @@ class MoE(nn.Module):
             out = out + expert(flat) * dense[:, e, None]
         return out
 
+    def routes_densely(self, tokens: int) -> bool:
+        """Every expert on every token for a short forward that is being compiled (no graph break), or whose
+        ``tokens * top_k`` choices would reach every expert anyway (a batch of decode steps): then it costs
+        little more than the sparse path. A batch-1 eager decode step of a many-expert model stays sparse
+        (reading all experts' weights would cost ``num_experts / top_k`` times as much)."""
+        if tokens > DENSE_ROUTING_TOKENS:
+            return False
+        return torch.compiler.is_compiling() or tokens * self.top_k >= len(self.experts)
+
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1, x.shape[-1])
         probs, weights, chosen = self.route(flat)
         weights = weights.to(x.dtype)
-        route = self._every_expert if flat.shape[0] <= DENSE_ROUTING_TOKENS else self._chosen_experts
+        route = self._every_expert if self.routes_densely(flat.shape[0]) else self._chosen_experts
         out = route(flat, weights, chosen)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
