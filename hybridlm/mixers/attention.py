@@ -93,7 +93,7 @@ class Attention(Mixer):
         documents (``segments``) a query sees only its own document's keys. ``gate [batch, time, heads *
         head_dim]``: the output gate's pre-activation (with ``attention_output_gate``)."""
         if segments is not None:
-            check_stateless("attention", state, mask)
+            check_stateless(self.kind, state, mask)
         batch, time, _ = q.shape
         if self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)

@@ -38,6 +38,16 @@ def check_positive(config, names) -> None:
             raise invalid_config(name, getattr(config, name), "must be > 0")
 
 
+def delta_rule_state(mixer, batch_size: int, device, dtype) -> SSMState:
+    """The empty state of a delta-rule mixer (Gated DeltaNet, KDA): its conv window and the ``[heads, dim_k,
+    dim_v]`` matrix (fp32, or fp64 in an fp64 model)."""
+    return SSMState(
+        conv=mixer.conv1d.init_window(batch_size, device, dtype),
+        ssm=torch.zeros(batch_size, mixer.heads, mixer.dim_k, mixer.dim_v, device=device,
+                        dtype=torch.promote_types(dtype or torch.float32, torch.float32)),
+    )
+
+
 def run_delta_rule(state: SSMState | None, q, k, v, log_gate, beta, chunk_size: int, windows, packed: dict):
     """The delta rule over the new tokens (``ops.gated_delta_rule`` arguments; a one-token step on a warm state),
     ``state.ssm`` updated in place; with conv ``windows`` (rollback tracking), the state after each token kept.
@@ -97,16 +107,12 @@ class GatedDeltaNet(Mixer):
         return {"A_log": torch.empty(self.heads).uniform_(0.01, 16).log(), "dt_bias": torch.ones(self.heads)}
 
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> SSMState:
-        return SSMState(
-            conv=self.conv1d.init_window(batch_size, device, dtype),
-            ssm=torch.zeros(batch_size, self.heads, self.dim_k, self.dim_v, device=device,
-                            dtype=torch.promote_types(dtype or torch.float32, torch.float32)),  # fp32, or fp64
-        )
+        return delta_rule_state(self, batch_size, device, dtype)
 
     def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None, segments=None):
         packed = {}
         if segments is not None:  # packed documents: one row, conv window and state restarting at each
-            check_stateless("gated_deltanet", state, mask)
+            check_stateless(self.kind, state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)

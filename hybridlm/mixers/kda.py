@@ -25,7 +25,7 @@ from ..layers.conv import ShortConv
 from ..layers.norms import RMSNorm, at_least_fp32
 from ..ops.causal_conv1d import causal_conv1d_windows
 from .base import Mixer, invalid_config, register, zero_padding
-from .gated_deltanet import check_positive, l2_normalize, run_delta_rule
+from .gated_deltanet import check_positive, delta_rule_state, l2_normalize, run_delta_rule
 from .segments import check_stateless
 
 
@@ -72,16 +72,12 @@ class KimiDeltaAttention(Mixer):
         return {"A_log": torch.empty(self.heads).uniform_(1, 16).log(), "dt_bias": dt + torch.log(-torch.expm1(-dt))}
 
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> SSMState:
-        return SSMState(
-            conv=self.conv1d.init_window(batch_size, device, dtype),
-            ssm=torch.zeros(batch_size, self.heads, self.dim_k, self.dim_v, device=device,
-                            dtype=torch.promote_types(dtype or torch.float32, torch.float32)),  # fp32, or fp64
-        )
+        return delta_rule_state(self, batch_size, device, dtype)
 
     def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None, segments=None):
         packed = {}
         if segments is not None:  # packed documents: one row, conv window and state restarting at each
-            check_stateless("kda", state, mask)
+            check_stateless(self.kind, state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)

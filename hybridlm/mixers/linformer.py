@@ -72,7 +72,7 @@ class Linformer(Mixer):
     def forward(self, x, state: CompressedKVState | None = None, *, mask=None, positions=None, segments=None):
         packed, counted = {}, None  # packed documents: one row, sums and token counts restarting at each
         if segments is not None:
-            check_stateless("linformer", state, mask)
+            check_stateless(self.kind, state, mask)
             if not self.causal:
                 raise ValueError("a bidirectional Linformer (linformer_causal=False) cannot take packed documents")
             counted = segments.one_row(segments.positions()) + 1  # [1, batch * time]: tokens so far, per document

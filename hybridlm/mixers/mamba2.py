@@ -81,7 +81,7 @@ class Mamba2(Mixer):
     def forward(self, x, state: SSMState | None = None, *, mask=None, positions=None, segments=None):
         packed = {}
         if segments is not None:  # packed documents: one row, conv window and state restarting at each
-            check_stateless("mamba2", state, mask)
+            check_stateless(self.kind, state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)

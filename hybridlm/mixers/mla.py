@@ -71,7 +71,7 @@ class LatentAttention(Mixer):
     def forward(self, x, state: LatentKV | None = None, *, mask=None, positions=None, segments=None):
         packed = {}
         if segments is not None:
-            check_stateless("mla", state, mask)
+            check_stateless(self.kind, state, mask)
             packed = {"seq_idx": segments.seq_idx}
         batch, time, _ = x.shape
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

@@ -124,7 +124,7 @@ class Performer(Mixer):
     def forward(self, x, state: LinearAttentionState | None = None, *, mask=None, positions=None, segments=None):
         packed = {}
         if segments is not None:  # packed documents: one row, sums and stabiliser restarting at each
-            check_stateless("performer", state, mask)
+            check_stateless(self.kind, state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
         q, k, v = (proj(x).view(batch, time, self.num_heads, -1).transpose(1, 2)  # [b, h, t, d]

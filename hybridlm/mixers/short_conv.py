@@ -51,7 +51,7 @@ class GatedShortConv(Mixer):
     def forward(self, x, state: ConvState | None = None, *, mask=None, positions=None, segments=None):
         packed = {}
         if segments is not None:  # packed documents: one row, the window restarting at each
-            check_stateless("short_conv", state, mask)
+            check_stateless(self.kind, state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         track = state is not None and state.checkpointing(x.shape[1])  # keep the window after each token
         B, C, h = self.in_proj(x).chunk(3, dim=-1)  # [batch, time, hidden] each
