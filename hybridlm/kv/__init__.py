@@ -1,6 +1,6 @@
 """KV cache layouts and the policy that picks one per attention layer (see :mod:`.policy`)."""
 
-from ..cache import KVLayout, KVState, KVView
+from .base import KVLayout, KVState, KVView
 from .layouts import HeavyHitterKV, RingKV, SinkWindowKV
 from .paged import PagedKV
 from .policy import CachePolicy, apply_policy

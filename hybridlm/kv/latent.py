@@ -13,7 +13,8 @@ import dataclasses
 
 import torch
 
-from ..cache import KVLayout, KVView, LayerState, _tensor_nbytes
+from ..states import LayerState, _tensor_nbytes
+from .base import KVLayout, KVView
 
 
 @dataclasses.dataclass

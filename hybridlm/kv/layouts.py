@@ -20,7 +20,8 @@ import dataclasses
 import torch
 
 from .. import rollback
-from ..cache import DenseKV, KVView, LayerState, _tensor_nbytes
+from ..states import LayerState, _tensor_nbytes
+from .base import DenseKV, KVView
 
 
 def _zeros(batch, heads, slots, dim, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..cache import KVLayout, StateGroup
 from ..config import HybridConfig
+from ..states import StateGroup
+from .base import KVLayout
 from .policy import CachePolicy
 
 PLAIN_TRANSFORMERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3")

@@ -21,8 +21,9 @@ import math
 import torch
 
 from .. import ops
-from ..cache import DenseKV, KVView, LayerState, _tensor_nbytes
 from ..ops import backends
+from ..states import LayerState, _tensor_nbytes
+from .base import DenseKV, KVView
 
 TABLE_ENTRY_BYTES = 4  # int32 block-table entries
 

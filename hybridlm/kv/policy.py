@@ -23,7 +23,8 @@ import dataclasses
 import warnings
 from collections.abc import Mapping
 
-from ..cache import KVLayout, KVState, LayerState, StateGroup
+from ..states import LayerState, StateGroup
+from .base import KVLayout, KVState
 from .layouts import HeavyHitterKV, SinkWindowKV
 from .paged import PagedKV
 from .quantize import BITS, QuantizedKV

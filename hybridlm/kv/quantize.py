@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from ..cache import KVLayout, KVView, _tensor_nbytes
+from ..states import _tensor_nbytes
+from .base import KVLayout, KVView
 from .quantized_attention import QuantizedHistory
 
 BITS = (2, 4, 8)

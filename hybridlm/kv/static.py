@@ -20,7 +20,8 @@ import dataclasses
 
 import torch
 
-from ..cache import KVState, KVView, LayerState, StateGroup, _tensor_nbytes
+from ..states import LayerState, StateGroup, _tensor_nbytes
+from .base import KVState, KVView
 
 
 @dataclasses.dataclass
