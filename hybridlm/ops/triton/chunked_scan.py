@@ -44,6 +44,7 @@ from ._common import (
 from .chunks import Chunks, split_chunks, uniform_chunks
 
 _MAX_BLOCK_K = 64  # the state dimension (dstate 128-256) in blocks: registers and shared memory stay bounded
+_FP32_BLOCK_K = 32  # the same for fp32 inputs in the score and output kernels (see _score_blocks)
 
 
 # --- kernels ----------------------------------------------------------------------------------------------
@@ -136,13 +137,48 @@ def _state_passing_kernel(
     tl.store(FINAL + (s * n_heads + h) * SIZE + offs, state, mask=mask)
 
 
+@tuned((4, 2), (4, 3), (8, 3), key=["DK"])
+@triton.jit
+def _chunk_scores_kernel(
+    Q, K, OUT, TABLE, n_chunks, sq_b, sq_t, sq_h, sq_d, sk_b, sk_t, sk_h, sk_d, DK, L,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """OUT[c, g, i, j] = q[start + i] . k[start + j] for j <= i (the causal half; tiles above it are not
+    written) over chunk c and group g: once per group, read by every head of the group and every value block.
+    OUT is [n_chunks, groups, L, L] fp32, L the longest chunk."""
+    c, mb, pid = program_id64(0), tl.program_id(1), tl.program_id(2)
+    n_nb = cdiv(L, BLOCK_N)
+    grp, nb = pid // n_nb, pid % n_nb
+    n_groups = tl.num_programs(2) // n_nb
+    if nb * BLOCK_N > mb * BLOCK_M + BLOCK_M - 1:  # entirely above the diagonal
+        return
+    row = tl.load(TABLE + c).to(tl.int64)
+    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
+    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
+    offs_i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_j = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m, mask_n = start + offs_i < end, start + offs_j < end
+    q_base = Q + row * sq_b + (start + offs_i[:, None]) * sq_t + grp * sq_h
+    k_base = K + row * sk_b + (start + offs_j[:, None]) * sk_t + grp * sk_h
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+    for k0 in range(0, DK, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < DK
+        q = tl.load(q_base + offs_k[None, :] * sq_d, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        k = tl.load(k_base + offs_k[None, :] * sk_d, mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += mm(q, tl.trans(k), DOT_DTYPE)
+    out = OUT + ((c * n_groups + grp) * L + offs_i[:, None]) * L + offs_j[None, :]
+    tl.store(out, acc, mask=(offs_i[:, None] < L) & (offs_j[None, :] < L))
+
+
 @tuned((4, 2), (8, 2), (8, 3), key=["DK", "DV"])
 @triton.jit
 def _chunk_scan_kernel(
-    Q, K, V, S, G, X, W, OUT, TABLE, n_chunks, time,
+    Q, K, V, S, G, X, W, P, OUT, TABLE, n_chunks, time,
     sq_b, sq_t, sq_h, sq_d, q_ratio, sk_b, sk_t, sk_h, sk_d, k_ratio, sv_b, sv_t, sv_h, sv_d, v_ratio,
-    ss_c, ss_h, ss_v, ss_k, sx_b, sx_t, sx_h, sx_d, sw_h, sw_d, DK, DV,
-    REVERSE: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ss_c, ss_h, ss_v, ss_k, sx_b, sx_t, sx_h, sx_d, sw_h, sw_d, sp_c, sp_g, sp_m, sp_n, DK, DV,
+    REVERSE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_SCORES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, STATE_DOT_DTYPE: tl.constexpr,
 ):
     """OUT[t] = sum_{s <= t in the chunk} (q[t].k[s]) decay(s -> t) v[t] + decay(start -> t) S[c] q[t].
@@ -151,6 +187,8 @@ def _chunk_scan_kernel(
     are [batch, time, heads or groups, dim] (strides given; head h reads group h // ratio); S is [chunk, head,
     DV, DK] through its strides, so a transposed state is a stride swap. OUT is [batch, time, head, DV], stored
     in its own dtype; with HAS_SKIP it also gets the skip term X[t] * W (X like OUT, W [head, DV] by strides).
+    With HAS_SCORES the products q[t].k[s] are read from P (:func:`chunk_scores`, [chunk, group, t - start,
+    s - start] by strides; its causal half) instead of computed per head and value block.
     """
     c, mb, pid = program_id64(0), tl.program_id(1), tl.program_id(2)
     n_vb = cdiv(DV, BLOCK_V)
@@ -190,26 +228,32 @@ def _chunk_scan_kernel(
         lo, hi = start, tl.minimum(m0 + BLOCK_M, end)
     k_base = K + row * sk_b + (h // k_ratio) * sk_h
     v_base = V + row * sv_b + (h // v_ratio) * sv_h + offs_v[None, :] * sv_d
+    p_base = P + c * sp_c + (h // q_ratio) * sp_g
     for n0 in range(lo, hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         g_n = tl.load(g_row + offs_n * n_heads, mask=mask_n, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * sv_t, mask=mask_n[:, None] & mask_v[None, :], other=0.0)
-        scores = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
-        for k0 in range(0, DK, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < DK
-            q = tl.load(q_base + offs_k[None, :] * sq_d, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            k = tl.load(k_base + offs_n[:, None] * sk_t + offs_k[None, :] * sk_d,
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            scores += mm(q, tl.trans(k), DOT_DTYPE)
         if REVERSE:
             keep = offs_n[None, :] >= offs_m[:, None]
             decay = tl.exp(g_n[None, :] - g_m[:, None])
         else:
             keep = offs_n[None, :] <= offs_m[:, None]
             decay = tl.exp(g_m[:, None] - g_n[None, :])
-        p = tl.where(keep & mask_n[None, :], scores * decay, 0.0)
+        keep = keep & mask_m[:, None] & mask_n[None, :]
+        if HAS_SCORES:
+            scores = tl.load(p_base + (offs_m[:, None] - start) * sp_m + (offs_n[None, :] - start) * sp_n,
+                             mask=keep, other=0.0)
+        else:
+            scores = tl.full((BLOCK_M, BLOCK_N), 0.0, tl.float32)
+            for k0 in range(0, DK, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                mask_k = offs_k < DK
+                q = tl.load(q_base + offs_k[None, :] * sq_d, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                k = tl.load(k_base + offs_n[:, None] * sk_t + offs_k[None, :] * sk_d,
+                            mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                scores += mm(q, tl.trans(k), DOT_DTYPE)
+        p = tl.where(keep, scores * decay, 0.0)
         acc += mm(p, v, DOT_DTYPE)
     mask = mask_m[:, None] & mask_v[None, :]
     if HAS_SKIP:
@@ -265,21 +309,48 @@ def state_passing(added, g_cum, initial, chunks: Chunks, reverse: bool = False):
     return entering, final
 
 
+def _score_blocks(size: int, dk: int, *tensors: torch.Tensor) -> tuple[int, int]:
+    """``(BLOCK_N, BLOCK_K)`` of the score and output kernels. fp32 tile products are tf32x3 on the GPU (each
+    operand split in two): at 64-wide tiles they spill on sm_90 (255 registers and a stack), so fp32 inputs walk
+    the chunk and the state dimension in blocks of 32."""
+    fp32 = all(t.dtype == torch.float32 for t in tensors)
+    return block(size, maximum=32 if fp32 else 64), block(dk, maximum=_FP32_BLOCK_K if fp32 else _MAX_BLOCK_K)
+
+
+def chunk_scores(q, k, chunks: Chunks) -> torch.Tensor:
+    """``q . k`` inside each chunk, once per group: ``[n_chunks, groups, L, L]`` fp32 (L the longest chunk),
+    ``[c, g, i, j]`` the product of the chunk's tokens ``i`` and ``j``; only ``j <= i`` is written."""
+    groups, dk, size = q.shape[2], q.shape[3], chunks.size
+    out = new_buffer((chunks.count, groups, size, size), q, torch.float32)
+    block_m, (block_n, block_k) = block(size, maximum=64), _score_blocks(size, dk, q, k)
+    launch(
+        _chunk_scores_kernel, (chunks.count, triton.cdiv(size, block_m), groups * triton.cdiv(size, block_n)),
+        q, k, out, chunks.table, chunks.count, *q.stride(), *k.stride(), dk, size,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype(q, k),
+    )
+    return out
+
+
 def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, skip=None, skip_weight=None,
-               dtype=torch.float32) -> torch.Tensor:
+               dtype=torch.float32, scores=None) -> torch.Tensor:
     """Outputs ``[batch, time, heads, dim_v]`` in ``dtype``; ``states`` is ``[n_chunks, heads, dim_v, dim_k]``
-    (any strides). ``skip [batch, time, heads, dim_v]`` times ``skip_weight [heads, dim_v]`` is added (fused)."""
+    (any strides). ``skip [batch, time, heads, dim_v]`` times ``skip_weight [heads, dim_v]`` is added (fused).
+    ``scores``: :func:`chunk_scores` of ``q, k`` (any strides: its transpose for ``k, q``), else computed here
+    per head."""
     batch, time, heads, dv = g_cum.shape[0], g_cum.shape[1], g_cum.shape[2], v.shape[3]
     dk = q.shape[3]
     out = new_buffer((batch, time, heads, dv), v, dtype)
     skip_args = (skip, skip_weight, *skip.stride(), *skip_weight.stride()) if skip is not None else (v, v, *(0,) * 6)
+    score_args = (scores, *scores.stride()) if scores is not None else (v, *(0,) * 4)
     block_m, block_v = block(chunks.size, maximum=64), block(dv, maximum=64)
+    block_n, block_k = _score_blocks(chunks.size, dk, q, k, v)
     launch(
         _chunk_scan_kernel, (chunks.count, triton.cdiv(chunks.size, block_m), heads * triton.cdiv(dv, block_v)),
-        q, k, v, states, g_cum, skip_args[0], skip_args[1], out, chunks.table, chunks.count, time,
-        *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), *skip_args[2:], dk, dv,
-        REVERSE=reverse, HAS_SKIP=skip is not None, BLOCK_M=block_m, BLOCK_N=block_m,
-        BLOCK_K=block(dk, maximum=_MAX_BLOCK_K), BLOCK_V=block_v,
+        q, k, v, states, g_cum, skip_args[0], skip_args[1], score_args[0], out, chunks.table, chunks.count, time,
+        *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), *skip_args[2:],
+        *score_args[1:], dk, dv, REVERSE=reverse, HAS_SKIP=skip is not None, HAS_SCORES=scores is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_V=block_v,
         DOT_DTYPE=dot_dtype(q, k, v), STATE_DOT_DTYPE=state_dot_dtype(q, k, v),
     )
     return out
@@ -318,7 +389,8 @@ class _ChunkedScan(torch.autograd.Function):
         added = chunk_state(k, v, g_cum, chunks)
         entering, final = state_passing(added, g_cum, initial_state, chunks)
         weight = None if skip_weight is None else skip_weight.expand(v.shape[2], v.shape[3])  # [heads, dim_v]
-        y = chunk_scan(q, k, v, entering, g_cum, chunks, skip=skip, skip_weight=weight, dtype=dtype)
+        y = chunk_scan(q, k, v, entering, g_cum, chunks, skip=skip, skip_weight=weight, dtype=dtype,
+                       scores=chunk_scores(q, k, chunks))
         ctx.save_for_backward(q, k, v, g_cum, initial_state, skip, skip_weight)
         ctx.chunks, ctx.decay_dtype = chunks, log_decay.dtype
         return y, final
@@ -335,7 +407,8 @@ class _ChunkedScan(torch.autograd.Function):
         d_after, d_initial = state_passing(direct, g_cum, d_final, chunks, reverse=True)
         dq = chunk_scan(dy, v, k, entering.transpose(2, 3), g_cum, chunks)
         dk = chunk_scan(v, dy, q, d_after.transpose(2, 3), g_cum, chunks, reverse=True)
-        dv = chunk_scan(k, q, dy, d_after, g_cum, chunks, reverse=True)
+        dv = chunk_scan(k, q, dy, d_after, g_cum, chunks, reverse=True,
+                        scores=chunk_scores(q, k, chunks).transpose(2, 3))
         d_cum = _dot_per_head(dq, q) - _dot_per_head(dk, k)
         d_cum += _chunk_end_gradient(d_after, entering, added, g_cum, chunks)
         d_log_decay = chunk_cumsum(d_cum, chunks, reverse=True)
