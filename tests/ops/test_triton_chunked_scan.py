@@ -143,3 +143,33 @@ def test_fixed_length_chunk_table_built_on_the_device_equals_the_listed_one(batc
     built = chunked_scan.uniform_chunks(batch, time, chunk, DEVICE)
     assert built.table.dtype == built.seqs.dtype == torch.int32 and built.size == listed.size
     assert torch.equal(built.table, listed.table) and torch.equal(built.seqs, listed.seqs)
+
+
+def test_chunk_scores_are_the_causal_half_of_q_k_per_group():
+    """C.B^T once per chunk and group (the products every head of the group reads): the causal half of
+    ``q k^T`` inside each chunk, in float64 by an einsum; a short last chunk's unused rows are never read."""
+    torch.manual_seed(6)
+    chunked_scan = kernels.chunked_scan
+    batch, time, groups, dk, chunk = 2, 45, 2, 40, 24  # two K blocks of 32 in fp32; the last chunk 21 tokens
+    q, k = randn(batch, time, groups, dk), randn(batch, time, groups, dk)
+    chunks = chunked_scan.uniform_chunks(batch, time, chunk, DEVICE)
+    scores = chunked_scan.chunk_scores(q, k, chunks)
+    assert scores.shape == (4, groups, chunk, chunk)
+    for c, (row, start, end) in enumerate(chunks.table.T.tolist()):
+        qc, kc = q[row, start:end].double(), k[row, start:end].double()
+        expected = torch.einsum("ign,jgn->gij", qc, kc).tril().float()
+        got = scores[c, :, : end - start, : end - start].tril()
+        assert expected.abs().max() > 1
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+def test_fp32_tiles_narrower_than_the_chunk():
+    """A chunk of 48 tokens in fp32: score tiles of 32 columns inside output tiles of 64 rows, dstate 40 in two
+    K blocks of 32, four heads per group reading one set of scores (forward and every gradient)."""
+    torch.manual_seed(7)
+    chunked_scan = kernels.chunked_scan
+    assert chunked_scan._score_blocks(48, 40, randn(1)) == (32, 32)
+    assert chunked_scan._score_blocks(48, 40, randn(1).bfloat16()) == (64, 64)
+    inputs = ssd_inputs(1, 70, 1, 4, 3, 40, True, "channel")
+    inputs["B"], inputs["C"] = inputs["B"] * 40**-0.5, inputs["C"] * 40**-0.5
+    check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=48)
