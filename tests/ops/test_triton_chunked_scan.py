@@ -1,5 +1,7 @@
 """Triton SSD and linear-attention kernels (one chunked scan) against the PyTorch references."""
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -136,13 +138,54 @@ def test_state_dimensions_above_one_block():
     check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=4)
 
 
+def listed_chunks(sequences, chunk):
+    """The chunk table ``[row, start, end]`` and ``[first, last]`` per sequence ``(row, start, end)``, by a loop."""
+    rows, starts, ends, first, last = [], [], [], [], []
+    for row, start, end in sequences:
+        first.append(len(starts))
+        for s in range(start, end, chunk):
+            rows.append(row), starts.append(s), ends.append(min(s + chunk, end))
+        last.append(len(starts))
+    return [rows, starts, ends], [first, last]
+
+
 @pytest.mark.parametrize("batch,time,chunk", [(1, 1, 1), (3, 10, 4), (2, 8, 8), (2, 0, 1), (1, 7, 16)])
 def test_fixed_length_chunk_table_built_on_the_device_equals_the_listed_one(batch, time, chunk):
-    chunked_scan = kernels.chunked_scan
-    listed = chunked_scan.split_chunks([(b, 0, time) for b in range(batch)], chunk, DEVICE)
-    built = chunked_scan.uniform_chunks(batch, time, chunk, DEVICE)
-    assert built.table.dtype == built.seqs.dtype == torch.int32 and built.size == listed.size
-    assert torch.equal(built.table, listed.table) and torch.equal(built.seqs, listed.seqs)
+    built = kernels.chunked_scan.uniform_chunks(batch, time, chunk, DEVICE)
+    table, seqs = listed_chunks([(b, 0, time) for b in range(batch)], chunk)
+    assert built.table.dtype == built.seqs.dtype == torch.int32 and built.size == chunk
+    assert built.table.tolist() == (table if table[0] else [[], [], []]) and built.seqs.tolist() == seqs
+
+
+@pytest.mark.parametrize("lengths,chunk", [([5, 11, 0, 7], 4), ([0], 3), ([3], 8), ([8, 8], 4), ([1, 0, 0, 9], 3)])
+def test_packed_chunk_table_built_on_the_device_equals_the_listed_one(lengths, chunk):
+    """From ``cu_seqlens`` on the device: the listed chunks, then spare empty ones (start = end = time) up to the
+    capacity ``time // chunk + n_seqs``, owned by no sequence."""
+    bounds = torch.tensor([0, *lengths], device=DEVICE).cumsum(0)
+    time = int(bounds[-1])
+    built = kernels.chunked_scan.packed_chunks(bounds, chunk, time)
+    (rows, starts, ends), seqs = listed_chunks([(0, a, b) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())],
+                                               chunk)
+    spare = time // chunk + len(lengths) - len(starts)
+    assert spare >= 0 and built.table.dtype == built.seqs.dtype == torch.int32
+    assert built.table.tolist() == [rows + [0] * spare, starts + [time] * spare, ends + [time] * spare]
+    assert built.seqs.tolist() == seqs
+
+
+def test_packed_ssd_while_capturing_reads_cu_seqlens_on_the_device_only(monkeypatch):
+    """Under CUDA-graph capture (simulated here: the check is what changes) ``cu_seqlens`` is never copied to the
+    host, and the result still equals the reference's, gradients included; a malformed one is still named."""
+    ssd = importlib.import_module("hybridlm.ops.triton.ssd")
+    monkeypatch.setattr(ssd, "_capturing", lambda x: True)
+    monkeypatch.setattr(ssd, "packed_sequences", lambda *a, **k: pytest.fail("cu_seqlens read on the host"))
+    torch.manual_seed(8)
+    lengths = [6, 0, 9, 3]
+    inputs = ssd_inputs(1, sum(lengths), 1, 2, 3, 4, False, "head")
+    inputs["initial_state"] = randn(len(lengths), 2, 3, 4)
+    inputs["cu_seqlens"] = torch.tensor([0, *lengths], device=DEVICE).cumsum(0).int()
+    check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=4)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        kernels.ssd_chunk_scan(**{**inputs, "cu_seqlens": inputs["cu_seqlens"][None]}, chunk_size=4)
 
 
 def test_chunk_scores_are_the_causal_half_of_q_k_per_group():

@@ -41,7 +41,7 @@ from ._common import (
     state_dot_dtype,
     tuned,
 )
-from .chunks import Chunks, split_chunks, uniform_chunks
+from .chunks import Chunks, packed_chunks, uniform_chunks
 
 _MAX_BLOCK_K = 64  # the state dimension (dstate 128-256) in blocks: registers and shared memory stay bounded
 _FP32_BLOCK_K = 32  # the same for fp32 inputs in the score and output kernels (see _score_blocks)
@@ -85,7 +85,7 @@ def _chunk_state_kernel(
     start = tl.load(TABLE + n_chunks + c).to(tl.int64)
     end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
     g_row = G + row * time * n_heads + h
-    g_end = tl.load(g_row + (end - 1) * n_heads)
+    g_end = tl.load(g_row + (end - 1) * n_heads, mask=end > start, other=0.0)  # (a spare chunk: empty)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     k_base = K + row * sk_b + (h // k_ratio) * sk_h + offs_k[None, :] * sk_d
@@ -360,13 +360,14 @@ def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, sk
 
 
 def _chunk_end_gradient(d_after, entering, added, g_cum, chunks: Chunks) -> torch.Tensor:
-    """``dS . S`` at each chunk's end (the gradient of the chunk's total log decay), scattered to its last token."""
-    row, end = chunks.table[0].long(), chunks.table[2].long() - 1
-    total = g_cum[row, end]  # [n_chunks, heads]
+    """``dS . S`` at each chunk's end (the gradient of the chunk's total log decay), scattered to its last token.
+    Spare (empty) chunks, whose states no kernel wrote, add zero."""
+    row, start, end = chunks.table[0].long(), chunks.table[1].long(), chunks.table[2].long()
+    last = (end - 1).clamp_min(0)
+    total = g_cum[row, last]  # [n_chunks, heads]
     after = entering * torch.exp(total)[..., None, None] + added
-    out = torch.zeros_like(g_cum)
-    out[row, end] = (d_after * after).sum((-2, -1))
-    return out
+    gradient = torch.where((end > start)[:, None], (d_after * after).sum((-2, -1)), 0.0)
+    return torch.zeros_like(g_cum).index_put_((row, last), gradient, accumulate=True)
 
 
 def _per_group(x_heads: torch.Tensor, groups: int) -> torch.Tensor:
@@ -433,9 +434,10 @@ def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, 
     """Triton version of :func:`hybridlm.ops.ssd.chunked_decay_scan`, differentiable in every tensor input.
 
     ``sequences``: ``None`` for a fixed-length batch (one state per row), or the boundaries ``[0, ..., time]``
-    of sequences packed along time (batch 1, one initial/final state per sequence). Fused into the output (SSD's
-    skip and cast): ``+ skip * skip_weight`` (``skip`` like ``v``, ``skip_weight [heads, 1 or dim_v]``), stored as
-    ``dtype``.
+    of sequences packed along time (batch 1, one initial/final state per sequence; a list, or an integer tensor
+    on ``v``'s device, which is read on the device only: see :func:`.chunks.packed_chunks`). Fused into the
+    output (SSD's skip and cast): ``+ skip * skip_weight`` (``skip`` like ``v``, ``skip_weight [heads, 1 or
+    dim_v]``), stored as ``dtype``.
     """
     batch, time, heads, dim_v = v.shape
     groups = q.shape[2]
@@ -450,15 +452,15 @@ def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, 
     if skip is not None and (skip.shape != v.shape or skip_weight.dim() != 2 or skip_weight.shape[0] != heads):
         raise ValueError(f"chunked scan: skip must be like v {tuple(v.shape)} and skip_weight [heads={heads}, 1 or "
                          f"{dim_v}], got {tuple(skip.shape)} and {tuple(skip_weight.shape)}")
-    if sequences is None:
-        spans = [(b, 0, time) for b in range(batch)]
-    else:
-        spans = [(0, start, end) for start, end in zip(sequences[:-1], sequences[1:])]
-    expected_state = (len(spans), heads, dim_v, q.shape[3])
+    n_states = batch if sequences is None else len(sequences) - 1
+    expected_state = (n_states, heads, dim_v, q.shape[3])
     if initial_state is not None and initial_state.shape != expected_state:
         raise ValueError(f"chunked scan: initial_state must be {expected_state}, got {tuple(initial_state.shape)}")
     if log_decay is None:
         log_decay = v.new_zeros(batch, time, heads, dtype=torch.float32)
     size = max(1, min(chunk_size, time))
-    chunks = uniform_chunks(batch, time, size, v.device) if sequences is None else split_chunks(spans, size, v.device)
+    if sequences is None:
+        chunks = uniform_chunks(batch, time, size, v.device)
+    else:
+        chunks = packed_chunks(torch.as_tensor(sequences, device=v.device), size, time)
     return _ChunkedScan.apply(q, k, v, log_decay, initial_state, chunks, skip, skip_weight, dtype)

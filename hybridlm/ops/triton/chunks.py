@@ -12,7 +12,8 @@ import torch
 @dataclass(frozen=True)
 class Chunks:
     """The chunk table: chunk ``c`` is ``time[start[c]:end[c]]`` of batch row ``row[c]``; sequence ``s`` owns the
-    chunks ``first[s]:last[s]``. ``table`` packs ``row, start, end`` and ``seqs`` packs ``first, last``."""
+    chunks ``first[s]:last[s]``. ``table`` packs ``row, start, end`` and ``seqs`` packs ``first, last``. A
+    packed table may end in spare empty chunks (``start = end``) that no sequence owns."""
 
     table: torch.Tensor  # int32 [3, n_chunks]
     seqs: torch.Tensor  # int32 [2, n_seqs]
@@ -27,24 +28,33 @@ class Chunks:
         return self.seqs.shape[1]
 
 
-def split_chunks(sequences: list[tuple[int, int, int]], chunk_size: int, device) -> Chunks:
-    """Cut each sequence ``(row, start, end)`` into chunks of ``chunk_size`` tokens (the last may be shorter)."""
-    rows, starts, ends, first, last = [], [], [], [], []
-    for row, start, end in sequences:
-        first.append(len(starts))
-        for s in range(start, end, chunk_size):
-            rows.append(row)
-            starts.append(s)
-            ends.append(min(s + chunk_size, end))
-        last.append(len(starts))
-    table = torch.tensor([rows, starts, ends], dtype=torch.int32).view(3, -1)
-    seqs = torch.tensor([first, last], dtype=torch.int32).view(2, -1)
-    return Chunks(table.to(device), seqs.to(device), chunk_size)
+def packed_chunks(bounds: torch.Tensor, chunk_size: int, time: int) -> Chunks:
+    """The chunks of the sequences packed along time with boundaries ``bounds [n_seqs + 1]`` (an integer tensor,
+    0 to ``time``; batch row 0), each cut into chunks of ``chunk_size`` tokens (the last may be shorter).
+
+    Built on ``bounds``' device without a copy to the host, so a packed call can be captured in a CUDA graph:
+    the chunk count depends on the lengths, so the table has room for the most chunks ``n_seqs`` sequences of
+    ``time`` tokens can need (``time // chunk_size + n_seqs``); the spare entries are empty (start = end), owned
+    by no sequence, and the kernels skip them."""
+    bounds = bounds.flatten().long()
+    n_seqs = bounds.numel() - 1
+    per_seq = (bounds[1:] - bounds[:-1] + chunk_size - 1) // chunk_size  # [n_seqs] chunks of each sequence
+    last = per_seq.cumsum(0)
+    first = last - per_seq
+    c = torch.arange(time // chunk_size + n_seqs, device=bounds.device)  # [capacity]
+    seq = torch.searchsorted(last, c, right=True)  # the sequence owning chunk c (n_seqs: a spare entry)
+    owner = seq.clamp_max(n_seqs - 1)
+    start = bounds[owner] + (c - first[owner]) * chunk_size
+    end = torch.minimum(start + chunk_size, bounds[owner + 1])
+    spare = seq == n_seqs
+    start, end = start.masked_fill(spare, time), end.masked_fill(spare, time)
+    table = torch.stack([torch.zeros_like(start), start, end]).int()
+    return Chunks(table, torch.stack([first, last]).int(), chunk_size)
 
 
 def uniform_chunks(batch: int, time: int, chunk_size: int, device) -> Chunks:
-    """:func:`split_chunks` of ``batch`` rows of ``time`` tokens, built on ``device`` (no host-to-device copy, so
-    a fixed-length call can be captured in a CUDA graph)."""
+    """``batch`` rows of ``time`` tokens in chunks of ``chunk_size`` (the last of a row may be shorter), built on
+    ``device`` (no host-to-device copy, so a fixed-length call can be captured in a CUDA graph)."""
     per_row = -(-time // chunk_size)
     c = torch.arange(batch * per_row, device=device, dtype=torch.int32)  # chunk c: row c // per_row
     start = c % per_row * chunk_size
