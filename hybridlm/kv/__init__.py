@@ -5,6 +5,7 @@ from .layouts import HeavyHitterKV, RingKV, SinkWindowKV
 from .paged import PagedKV
 from .policy import CachePolicy, apply_policy
 from .quantize import QuantizedKV
+from .quantized_window import QuantizedSinkWindowKV
 
-__all__ = ["CachePolicy", "HeavyHitterKV", "KVLayout", "KVState", "KVView", "PagedKV", "QuantizedKV", "RingKV",
-           "SinkWindowKV", "apply_policy"]
+__all__ = ["CachePolicy", "HeavyHitterKV", "KVLayout", "KVState", "KVView", "PagedKV", "QuantizedKV",
+           "QuantizedSinkWindowKV", "RingKV", "SinkWindowKV", "apply_policy"]

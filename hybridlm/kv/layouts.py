@@ -1,6 +1,7 @@
 """KV layouts of fixed size: a ring for sliding windows, attention sinks plus a window (StreamingLLM) and
 heavy hitters plus a recent window (H2O). Each holds a bounded number of token slots however long generation
-runs. The contiguous layout is :class:`hybridlm.cache.KVState`; the quantized one is in :mod:`.quantize`.
+runs. The contiguous layout is :class:`hybridlm.cache.KVState`; the quantized one is in :mod:`.quantize`, the
+quantized sinks + window in :mod:`.quantized_window`.
 
 Sizes per batch row (``e`` the element size, ``H`` key/value heads, ``D`` head_dim), ``n`` tokens seen:
 
@@ -254,16 +255,26 @@ class SinkWindowKV(_WindowKV):
             self.keys.index_copy_(2, self._index(new_slots[kept]), keys[:, :, kept])
             self.values.index_copy_(2, self._index(new_slots[kept]), values[:, :, kept])
             self.seen += time
-        shift = max(0, first - (window - 1) - sinks)  # dropped slots between the sinks and the window
-        key_positions = self._in_cache(torch.where(slots < sinks, slots, slots - shift))
-        view_keys = rotate(raw_keys, key_positions) if rotate is not None else raw_keys
-        return KVView(view_keys, view_values, slots, self._validity(slots), query_slots=new_slots,
-                      query_positions=self._in_cache(new_slots - shift), window=window,
-                      pinned=(slots < sinks).view(1, 1, -1))
+        return sink_window_view(self, raw_keys, view_values, slots, first, new_slots, rotate)
 
-    def _in_cache(self, positions: torch.Tensor) -> torch.Tensor:
-        """``[batch, n]`` positions counted from each row's first real token."""
-        return (positions[None, :] - self.padding[:, None]).clamp(min=0)
+
+def sink_window_view(state, raw_keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, first: int,
+                     new_slots: torch.Tensor, rotate) -> KVView:
+    """The view of a sinks + window layout (``state.sinks``, ``state.window``, ``state.padding``): the held
+    ``raw_keys`` (not rotated) and ``values [batch, heads, n, head_dim]`` at absolute ``slots [n]``, the new
+    tokens at ``new_slots [time]`` from slot ``first``. Keys and queries are rotated by their position inside
+    the cache: slots after the sinks move down past the slots dropped before this forward's first token, and
+    each row counts from its first real token. Shared by SinkWindowKV and QuantizedSinkWindowKV."""
+    sinks, window = state.sinks, state.window
+    shift = max(0, first - (window - 1) - sinks)  # slots dropped between the sinks and the window
+
+    def in_cache(positions: torch.Tensor) -> torch.Tensor:  # [n] -> [batch, n]
+        return (positions[None, :] - state.padding[:, None]).clamp(min=0)
+
+    key_positions = in_cache(torch.where(slots < sinks, slots, slots - shift))
+    keys = rotate(raw_keys, key_positions) if rotate is not None else raw_keys
+    return KVView(keys, values, slots, state._validity(slots), query_slots=new_slots,
+                  query_positions=in_cache(new_slots - shift), window=window, pinned=(slots < sinks).view(1, 1, -1))
 
 
 @dataclasses.dataclass

@@ -8,13 +8,15 @@ policy                            layout
 default (``CachePolicy()``)       :class:`~hybridlm.cache.KVState` (contiguous, full precision)
 ``kv_bits`` 8, 4 or 2             :class:`~hybridlm.kv.quantize.QuantizedKV` (KIVI)
 ``window`` (``sink_tokens``)      :class:`~hybridlm.kv.layouts.SinkWindowKV` (StreamingLLM; no sinks: window only)
+``kv_bits`` + ``window``          :class:`~hybridlm.kv.quantized_window.QuantizedSinkWindowKV` (both; sinks optional)
 ``heavy_hitters`` + ``window``    :class:`~hybridlm.kv.layouts.HeavyHitterKV` (H2O)
 ``page_size``                     :class:`~hybridlm.kv.paged.PagedKV` (pages from a shared pool, copy-on-write)
 ================================  ==================================================
 
 A layer with its own ``sliding_window`` keeps its ring (:class:`~hybridlm.kv.layouts.RingKV`): it is bounded
-already, and a policy must not let it see beyond its window. Quantization does not combine with the bounded
-layouts (yet), nor paging with either: asking for both is an error. A policy is fixed for the life of a cache.
+already, and a policy must not let it see beyond its window. Quantization combines with sinks + window (or a
+window alone) but not with heavy hitters, and paging with neither: asking for those is an error. A policy is fixed
+for the life of a cache.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from .base import KVLayout, KVState
 from .layouts import HeavyHitterKV, SinkWindowKV
 from .paged import PagedKV
 from .quantize import BITS, QuantizedKV
+from .quantized_window import QuantizedSinkWindowKV
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +73,9 @@ class CachePolicy:
             raise ValueError(f"CachePolicy.window={self.window} is smaller than sink_tokens={self.sink_tokens}")
         if self.heavy_hitters and self.sink_tokens:
             raise ValueError("CachePolicy: choose sink_tokens (StreamingLLM) or heavy_hitters (H2O), not both")
-        if self.kv_bits != 16 and self.window is not None:
-            raise ValueError(f"CachePolicy: kv_bits={self.kv_bits} with window / sink_tokens / heavy_hitters is not "
-                             "supported; quantize a full cache or bound it, not both")
+        if self.kv_bits != 16 and self.heavy_hitters:
+            raise ValueError(f"CachePolicy: kv_bits={self.kv_bits} with heavy_hitters is not supported; quantize a "
+                             "full cache or a sinks + window one (sink_tokens=, window=)")
         if self.page_size is not None:
             positive("page_size", self.page_size)
             if self.kv_bits != 16 or self.window is not None:
@@ -91,17 +94,20 @@ class CachePolicy:
             return PagedKV.empty(batch, heads, dim, page_size=self.page_size, capacity=template.keys.shape[2], **where)
         if self.heavy_hitters:
             return HeavyHitterKV.empty(batch, heads, dim, heavy=self.heavy_hitters, window=self.window, **where)
-        if self.window is not None:
+        if self.window is not None and self.kv_bits == 16:
             return SinkWindowKV.empty(batch, heads, dim, sinks=self.sink_tokens, window=self.window, **where)
-        if self.kv_bits != 16:
-            if dim % self.kv_group_size:
-                raise ValueError(f"CachePolicy.kv_group_size={self.kv_group_size} does not divide the attention "
-                                 f"head_dim={dim}")
-            if dim * self.kv_bits % 8:
-                raise ValueError(f"CachePolicy.kv_bits={self.kv_bits}: head_dim={dim} codes do not fill whole bytes")
-            return QuantizedKV.empty(batch, heads, dim, bits=self.kv_bits, group=self.kv_group_size,
-                                     residual=self.kv_residual, **where)
-        return template
+        if self.kv_bits == 16:
+            return template
+        if dim % self.kv_group_size:
+            raise ValueError(f"CachePolicy.kv_group_size={self.kv_group_size} does not divide the attention "
+                             f"head_dim={dim}")
+        if dim * self.kv_bits % 8:
+            raise ValueError(f"CachePolicy.kv_bits={self.kv_bits}: head_dim={dim} codes do not fill whole bytes")
+        quantized = dict(bits=self.kv_bits, group=self.kv_group_size, residual=self.kv_residual, **where)
+        if self.window is not None:
+            return QuantizedSinkWindowKV.empty(batch, heads, dim, sinks=self.sink_tokens, window=self.window,
+                                               **quantized)
+        return QuantizedKV.empty(batch, heads, dim, **quantized)
 
 
 def apply_policy(states: list[LayerState], policy: CachePolicy | Mapping[int, CachePolicy]) -> list[LayerState]:

@@ -102,7 +102,8 @@ class QuantizedKV(KVLayout):
     fused_decode: ClassVar[bool] = True
 
     @classmethod
-    def empty(cls, batch_size, kv_heads, head_dim, *, bits, group, residual, device=None, dtype=None):
+    def empty(cls, batch_size, kv_heads, head_dim, *, bits, group, residual, device=None, dtype=None, **fields):
+        """An empty state; ``fields``: a subclass's own fields."""
         def zeros(*shape, dtype=dtype):
             return torch.zeros(batch_size, kv_heads, *shape, device=device, dtype=dtype)
 
@@ -111,7 +112,7 @@ class QuantizedKV(KVLayout):
                    zeros(0, packed, dtype=torch.uint8), zeros(0, head_dim // group), zeros(0, head_dim // group),
                    zeros(residual + group, head_dim), zeros(residual + group, head_dim),
                    torch.zeros(batch_size, dtype=torch.long, device=device), bits=bits, group=group,
-                   residual=residual)
+                   residual=residual, **fields)
 
     @property
     def kv_heads(self) -> int:
@@ -137,22 +138,22 @@ class QuantizedKV(KVLayout):
         return sum(_tensor_nbytes(t) for t in used)
 
     def predicted_nbytes(self, tokens: int) -> int:
+        quantized = self.group * (max(0, tokens - self.residual) // self.group)
+        return self._formula_nbytes(quantized, tokens - quantized)
+
+    def _formula_nbytes(self, quantized: int, dense: int) -> int:
+        """The module docstring's bytes for ``quantized`` tokens held as codes and ``dense`` in full precision."""
         batch, heads, _, dim = self.recent_keys.shape
         e = self.recent_keys.element_size()
-        q = self.group * (max(0, tokens - self.residual) // self.group)
         per_quantized = 2 * dim * self.bits // 8 + 4 * dim * e // self.group
-        return batch * (heads * q * per_quantized + 2 * heads * (tokens - q) * dim * e + self.padding.element_size())
+        return batch * (heads * quantized * per_quantized + 2 * heads * dense * dim * e + self.padding.element_size())
 
     def update(self, keys, values, positions, rotate, mask) -> KVView:
         first, time = self.seen, keys.shape[2]
         if rotate is not None:
             keys = rotate(keys, positions)
         self._count_padding(mask)
-        self.recent_keys = _grown(self.recent_keys, self.recent, self.recent + time)
-        self.recent_values = _grown(self.recent_values, self.recent, self.recent + time)
-        self.recent_keys[:, :, self.recent : self.recent + time] = keys
-        self.recent_values[:, :, self.recent : self.recent + time] = values
-        self.recent += time
+        self._append_recent(keys, values)
         slots = torch.arange(self.seen, device=keys.device)
         view = dict(slots=slots, valid=self._validity(slots), query_slots=slots[first:], query_positions=positions,
                     in_order=True)
@@ -166,6 +167,15 @@ class QuantizedKV(KVLayout):
             view_keys, view_values = torch.cat([old_keys, view_keys], 2), torch.cat([old_values, view_values], 2)
         self._quantize_aged()  # after the view is taken: this forward reads its own tokens in full precision
         return KVView(view_keys, view_values, **view)
+
+    def _append_recent(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``keys, values [batch, heads, time, head_dim]`` after the full-precision tail."""
+        time = keys.shape[2]
+        self.recent_keys = _grown(self.recent_keys, self.recent, self.recent + time)
+        self.recent_values = _grown(self.recent_values, self.recent, self.recent + time)
+        self.recent_keys[:, :, self.recent : self.recent + time] = keys
+        self.recent_values[:, :, self.recent : self.recent + time] = values
+        self.recent += time
 
     def history(self, valid: torch.Tensor | None = None) -> QuantizedHistory:
         """The tokens held now, as views for :class:`~.quantized_attention.QuantizedHistory` (decode attention

@@ -1,0 +1,195 @@
+"""Quantized sinks + window (QuantizedSinkWindowKV): CachePolicy(kv_bits=..., sink_tokens=..., window=...).
+
+Oracles: SinkWindowKV (with the residual covering the window nothing visible is quantized, so the outputs must
+match); a float64 quantize-then-dequantize written here per group (the held window); the bytes counted slot by
+slot (the formula); the unquantized sinks + window model (the error must shrink with more bits); a cache that
+never went past the crop point (rollback)."""
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from hybridlm import CachePolicy
+from hybridlm.cli import main
+from hybridlm.generation import IncrementalDecoder
+from hybridlm.kv.quantized_window import QuantizedSinkWindowKV
+from tests.helpers import assert_close_rel, random_ids, relative_error, tiny_model
+
+
+def decode(model, ids, policy, prefill):
+    """Logits of a prefill of ``prefill`` tokens then one token at a time, and the cache."""
+    cache = model.new_cache(ids.shape[0], policy=policy)
+    with torch.no_grad():
+        chunks = [model(ids[:, :prefill], cache=cache)]
+        chunks += [model(ids[:, t:t + 1], cache=cache) for t in range(prefill, ids.shape[1])]
+    return torch.cat([c.logits for c in chunks], 1), cache
+
+
+def quantized_state(cache) -> QuantizedSinkWindowKV:
+    states = [s for s in cache.states if isinstance(s, QuantizedSinkWindowKV)]
+    assert states, "the policy did not select QuantizedSinkWindowKV"
+    return states[0]
+
+
+@pytest.mark.parametrize("prefill", [5, 13])
+def test_with_the_residual_covering_the_window_it_equals_sinks_and_window(prefill):
+    model = tiny_model(layer_pattern="MA")
+    ids = random_ids(2, 34)
+    expected, _ = decode(model, ids, CachePolicy(sink_tokens=2, window=8), prefill)
+    policy = CachePolicy(kv_bits=2, kv_group_size=4, kv_residual=7, sink_tokens=2, window=8)
+    got, cache = decode(model, ids, policy, prefill)
+    state = quantized_state(cache)
+    assert state.evicted > 0  # groups were quantized as they aged, and left the window
+    assert_close_rel(got, expected)
+
+
+def held_slot_bytes(tokens, sinks, window, bits, group, residual, heads, dim, e=8):
+    """Bytes per row, slot by slot: a sink or tail slot full precision, a slot of a quantized group packed codes
+    plus its share of the scales; a group is gone once its last slot is before ``tokens - window + 1``."""
+    body = list(range(sinks, tokens))
+    quantized = body[: group * (max(0, len(body) - residual) // group)]
+    total = 8  # padding counter
+    for slot in range(tokens):
+        if slot not in quantized:
+            total += 2 * heads * dim * e
+            continue
+        last_of_group = sinks + ((slot - sinks) // group + 1) * group - 1
+        if last_of_group >= tokens - window + 1:
+            total += heads * (2 * dim * bits // 8 + 4 * dim * e // group)  # codes, key and value scales + zeros
+    return total
+
+
+def reference_dequantized(x, bits, group, dim):
+    """KIVI round trip in float64: keys ``x [tokens, dim]`` per channel over the group's tokens (``dim=0``),
+    values per token over groups of channels (``dim=1``)."""
+    if dim == 0:
+        blocks = x.reshape(-1, group, x.shape[1])
+    else:
+        blocks = x.reshape(x.shape[0], -1, group)
+    low, high = blocks.amin(dim + 1, keepdim=True), blocks.amax(dim + 1, keepdim=True)
+    scale = (high - low) / (2**bits - 1)
+    codes = torch.round((blocks - low) / scale).clamp(0, 2**bits - 1)
+    return (codes * scale + low).reshape(x.shape), scale.abs().amax()
+
+
+@settings(max_examples=8, deadline=None)
+@given(chunks=st.lists(st.integers(1, 9), min_size=3, max_size=12), bits=st.sampled_from([2, 4, 8]),
+       sinks=st.integers(0, 3), residual=st.integers(0, 6))
+@example(chunks=[1, 1, 1, 9, 9, 9], bits=4, sinks=3, residual=0)  # decoding into the sinks, then past the window
+def test_the_held_window_is_the_dequantized_reference_and_bytes_match_the_formula(chunks, bits, sinks, residual):
+    heads, dim, group, window = 2, 8, 4, 10
+    state = QuantizedSinkWindowKV.empty(1, heads, dim, sinks=sinks, window=window, bits=bits, group=group,
+                                        residual=residual, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(len(chunks))
+    keys = torch.randn(1, heads, sum(chunks), dim, dtype=torch.float64, generator=generator)
+    values = torch.randn(1, heads, sum(chunks), dim, dtype=torch.float64, generator=generator)
+    quantized_once = False
+    for seen, time in zip(torch.tensor(chunks).cumsum(0).tolist(), chunks):
+        first = seen - time
+        held_before = (state.held_sinks, state.sinks + state.evicted, state.quantized)
+        view = state.update(keys[:, :, first:seen], values[:, :, first:seen], torch.arange(first, seen)[None], None,
+                            None)
+        _, body_start, quantized = held_before  # the view reads the codes held before; new tokens age after it
+        held_sinks = min(seen, sinks)
+        expected_slots = list(range(held_sinks)) + list(range(body_start, seen))
+        assert view.slots.tolist() == expected_slots
+        assert body_start <= max(sinks, first - window + 1)  # the first new token sees its whole window
+        ref_keys, ref_values = keys[:, :, expected_slots].clone(), values[:, :, expected_slots].clone()
+        if quantized:
+            part = slice(held_sinks, held_sinks + quantized)
+            for h in range(heads):
+                ref_keys[0, h, part], key_step = reference_dequantized(keys[0, h, body_start:body_start + quantized],
+                                                                       bits, group, 0)
+                ref_values[0, h, part], value_step = reference_dequantized(
+                    values[0, h, body_start:body_start + quantized], bits, group, 1)
+                # the quantization is not trivial, and within half a step of the original
+                original = keys[0, h, body_start:body_start + quantized]
+                assert (ref_keys[0, h, part] - original).abs().max() > 0
+                assert (ref_keys[0, h, part] - original).abs().max() <= key_step / 2 + 1e-12
+            quantized_once = True
+        torch.testing.assert_close(view.keys, ref_keys, rtol=0, atol=1e-12)
+        torch.testing.assert_close(view.values, ref_values, rtol=0, atol=1e-12)
+        assert state.seen == seen
+        formula = held_slot_bytes(seen, sinks, window, bits, group, residual, heads, dim)
+        assert state.nbytes() == state.predicted_nbytes(seen) == formula
+    if sum(chunks) - chunks[-1] - sinks - residual >= group:
+        assert quantized_once
+
+
+def test_decoding_three_windows_stays_finite_and_the_error_shrinks_with_more_bits():
+    model = tiny_model(layer_pattern="MA", hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    window, ids = 16, random_ids(1, 48)
+    expected, _ = decode(model, ids, CachePolicy(sink_tokens=2, window=window), prefill=4)
+    errors = {}
+    for bits in (8, 4, 2):
+        policy = CachePolicy(kv_bits=bits, kv_group_size=8, kv_residual=2, sink_tokens=2, window=window)
+        got, cache = decode(model, ids, policy, prefill=4)
+        assert torch.isfinite(got).all()
+        assert quantized_state(cache).evicted > 0
+        errors[bits] = relative_error(got, expected)
+    assert 0 < errors[8] < errors[4] < errors[2] < 0.5, errors
+    assert errors[8] < 1e-2, errors
+
+
+def test_crop_within_the_residual_equals_a_cache_that_stopped_there_and_beyond_it_is_refused():
+    model = tiny_model(layer_pattern="A")
+    ids = random_ids(1, 40)
+    policy = CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2, sink_tokens=2, window=8)
+    refusals = set()
+    with torch.no_grad():
+        for stop in range(26, 34):
+            _, cache = decode(model, ids[:, :stop], policy, prefill=4)
+            state = quantized_state(cache)
+            for back in range(1, 6):
+                reason = state.rewind_blocker(back)
+                if reason is not None:
+                    refusals.add("kv_residual" if "kv_residual" in reason else "window")
+                    with pytest.raises(ValueError, match="cannot remove"):
+                        cache.crop(stop - back)
+                    continue
+                _, fresh = decode(model, ids[:, :stop - back], policy, prefill=4)
+                cache.crop(stop - back)
+                assert state.nbytes() == state.predicted_nbytes(stop - back) == quantized_state(fresh).nbytes()
+                got = model(ids[:, stop - back:stop], cache=cache).logits
+                expected = model(ids[:, stop - back:stop], cache=fresh).logits
+                assert_close_rel(got, expected)
+                break
+    assert refusals == {"kv_residual", "window"}
+
+
+def test_policy_selects_it_and_still_refuses_heavy_hitters_and_pages():
+    model = tiny_model(layer_pattern="A")
+    cache = model.new_cache(1, policy=CachePolicy(kv_bits=8, kv_group_size=4, window=8))
+    assert isinstance(cache.states[0], QuantizedSinkWindowKV) and cache.states[0].sinks == 0
+    with pytest.raises(ValueError, match="kv_bits=4 with heavy_hitters"):
+        CachePolicy(kv_bits=4, heavy_hitters=2, window=8)
+    with pytest.raises(ValueError, match="page_size"):
+        CachePolicy(kv_bits=4, sink_tokens=2, window=8, page_size=16)
+    with pytest.raises(ValueError, match="kv_group_size=3 does not divide"):
+        model.new_cache(1, policy=CachePolicy(kv_bits=4, kv_group_size=3, window=8))
+
+
+def test_select_and_clone_keep_the_quantized_window():
+    model = tiny_model(layer_pattern="A")
+    ids = random_ids(2, 30)
+    policy = CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2, sink_tokens=2, window=8)
+    _, cache = decode(model, ids, policy, prefill=4)
+    state = quantized_state(cache)
+    row = state.select(torch.tensor([1]))
+    copy = state.clone()
+    assert row.batch_size == 1 and (row.evicted, row.quantized, row.recent) == (state.evicted, state.quantized,
+                                                                                 state.recent)
+    assert torch.equal(row.key_codes, state.key_codes[1:]) and copy.key_codes is not state.key_codes
+
+
+def test_generate_cli_with_quantized_sinks_and_window(capsys, tmp_path):
+    """170 tokens: past the sinks, the default kv_residual (128) and a group (32), so groups are quantized."""
+    model = tiny_model(layer_pattern="MA", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)  # head_dim 32
+    model.save_pretrained(tmp_path)
+    main(["generate", "--model", str(tmp_path), "--ids", "3,4,5", "--max-new-tokens", "170", "--kv-bits", "4",
+          "--sink-tokens", "4", "--window", "64"])
+    printed = [int(t) for t in capsys.readouterr().out.split()]
+    policy = CachePolicy(kv_bits=4, sink_tokens=4, window=64)
+    tokens = IncrementalDecoder(model, cache_policy=policy).generate([[3, 4, 5]], max_new_tokens=170)[0, 3:]
+    assert printed == tokens.tolist()[: len(printed)] and len(printed) > 0
