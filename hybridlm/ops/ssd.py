@@ -158,7 +158,8 @@ def ssd_through(scan, x, dt, A, B, C, chunk_size, D=None, initial_state=None, fu
     """SSD computed by a chunked decay ``scan`` (q = C, k = B, v = dt x, log decay = dt A) plus the skip ``D x``.
 
     Shared by this reference and the faster backends, which differ only in ``scan``. With ``fused_skip`` the scan
-    adds ``D x`` and casts to ``x``'s dtype itself (``skip=x, skip_weight=D [heads, 1 or head_dim], dtype=``).
+    adds ``D x`` and casts to ``x``'s dtype itself (``skip=x, skip_weight=D [heads, 1 or head_dim], dtype=``), and
+    scales ``v = x`` by ``dt`` itself (``v_scale=dt``).
     """
     batch, time, heads, _ = x.shape
     if dt.shape != (batch, time, heads) or A.shape != (heads,):
@@ -166,8 +167,8 @@ def ssd_through(scan, x, dt, A, B, C, chunk_size, D=None, initial_state=None, fu
     dtf = dt.float()
     if fused_skip:
         weight = None if D is None else D.unsqueeze(-1) if D.dim() == 1 else D
-        return scan(C, B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), chunk_size, initial_state,
-                    skip=None if D is None else x, skip_weight=weight, dtype=x.dtype, **scan_options)
+        return scan(C, B, x, dtf * A.float(), chunk_size, initial_state, skip=None if D is None else x,
+                    skip_weight=weight, dtype=x.dtype, v_scale=dt, **scan_options)
     y, final = scan(C, B, x.float() * dtf.unsqueeze(-1), dtf * A.float(), chunk_size, initial_state, **scan_options)
     return with_skip(y, x, D), final
 
