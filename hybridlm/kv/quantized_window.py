@@ -9,18 +9,23 @@
   of ``group`` tokens (keys per channel, values per token, packed codes plus scales and zero points);
 * tokens leave a whole quantized group at a time, once no later query can see any token of the group.
 
+``residual`` is capped at ``window - 1``: no later query sees older tokens, so keeping them in full precision
+would only cost memory. Quantization saves memory only when ``window`` clearly exceeds ``residual + group``:
+with the defaults ``kv_residual=128, kv_group_size=32`` and ``window=64`` nothing visible is quantized, and the
+held tail (63 to 94 tokens) is larger than SinkWindowKV's 63.
+
 Attention sees exactly what :class:`~hybridlm.kv.layouts.SinkWindowKV` gives it (the sinks and the last
 ``window`` slots, masked by slot; keys rotated by their position inside the cache), so with ``residual >=
-window - 1`` the output equals SinkWindowKV's. After the sinks it holds the last ``window - 1`` slots plus at most
-``group - 1`` older ones of a partly visible group (between ``window - 1`` and ``window + group - 2`` slots),
-or the full-precision tail when that is longer (``residual + group - 1`` at most; the tail is never evicted).
+window - 1`` the output equals SinkWindowKV's. Once the window is full it holds, after the sinks, the last
+``window - 1`` slots plus at most ``group - 1`` older ones (of a partly visible group, or of the full-precision
+tail): between ``window - 1`` and ``window + group - 2`` slots, never exactly ``window`` (eviction is by group).
 
 Keys are stored before the rotary embedding (their position changes as the window slides), so they are
 quantized before it too, and every read dequantizes then rotates: the fused decode path of
 :mod:`.quantized_attention`, which reads rotated codes, does not apply.
 
 Bytes per batch row with ``n`` token slots seen (``H`` key/value heads, ``D`` head_dim, ``e`` element size,
-``b`` bits, ``g`` group, ``s = min(n, sinks)``, ``m = n - s``)::
+``b`` bits, ``g`` group, ``residual`` the capped one, ``s = min(n, sinks)``, ``m = n - s``)::
 
     quantized so far   Q = g * floor(max(0, m - residual) / g)
     evicted            E = g * min(Q / g, floor(max(0, n - window + 1 - sinks) / g))
@@ -59,7 +64,7 @@ class QuantizedSinkWindowKV(QuantizedKV):
         def zeros():
             return torch.zeros(batch_size, kv_heads, sinks, head_dim, device=device, dtype=dtype)
 
-        return super().empty(batch_size, kv_heads, head_dim, bits=bits, group=group, residual=residual,
+        return super().empty(batch_size, kv_heads, head_dim, bits=bits, group=group, residual=min(residual, window - 1),
                              device=device, dtype=dtype, sink_keys=zeros(), sink_values=zeros(), sinks=sinks,
                              window=window)
 

@@ -32,12 +32,12 @@ def quantized_state(cache) -> QuantizedSinkWindowKV:
     return states[0]
 
 
-@pytest.mark.parametrize("prefill", [5, 13])
-def test_with_the_residual_covering_the_window_it_equals_sinks_and_window(prefill):
+@pytest.mark.parametrize("prefill, residual", [(5, 7), (13, 100)])
+def test_with_the_residual_covering_the_window_it_equals_sinks_and_window(prefill, residual):
     model = tiny_model(layer_pattern="MA")
     ids = random_ids(2, 34)
     expected, _ = decode(model, ids, CachePolicy(sink_tokens=2, window=8), prefill)
-    policy = CachePolicy(kv_bits=2, kv_group_size=4, kv_residual=7, sink_tokens=2, window=8)
+    policy = CachePolicy(kv_bits=2, kv_group_size=4, kv_residual=residual, sink_tokens=2, window=8)
     got, cache = decode(model, ids, policy, prefill)
     state = quantized_state(cache)
     assert state.evicted > 0  # groups were quantized as they aged, and left the window
@@ -75,16 +75,26 @@ def reference_dequantized(x, bits, group, dim):
 
 @settings(max_examples=8, deadline=None)
 @given(chunks=st.lists(st.integers(1, 9), min_size=3, max_size=12), bits=st.sampled_from([2, 4, 8]),
-       sinks=st.integers(0, 3), residual=st.integers(0, 6))
+       sinks=st.integers(0, 3), residual=st.integers(0, 14))
 @example(chunks=[1, 1, 1, 9, 9, 9], bits=4, sinks=3, residual=0)  # decoding into the sinks, then past the window
 def test_the_held_window_is_the_dequantized_reference_and_bytes_match_the_formula(chunks, bits, sinks, residual):
+    check_held_window(chunks, bits, sinks, residual)
+
+
+def test_the_held_window_check_compares_quantized_tokens():
+    assert check_held_window([6, 1, 1, 1, 9, 1, 1, 1], bits=2, sinks=2, residual=1) >= 2
+
+
+def check_held_window(chunks, bits, sinks, residual) -> int:
+    """Feeds ``chunks`` of random float64 keys and values; each view equals the reference and the bytes the
+    slot-by-slot count. Returns how many views held quantized tokens."""
     heads, dim, group, window = 2, 8, 4, 10
     state = QuantizedSinkWindowKV.empty(1, heads, dim, sinks=sinks, window=window, bits=bits, group=group,
                                         residual=residual, dtype=torch.float64)
     generator = torch.Generator().manual_seed(len(chunks))
     keys = torch.randn(1, heads, sum(chunks), dim, dtype=torch.float64, generator=generator)
     values = torch.randn(1, heads, sum(chunks), dim, dtype=torch.float64, generator=generator)
-    quantized_once = False
+    views_with_codes = 0
     for seen, time in zip(torch.tensor(chunks).cumsum(0).tolist(), chunks):
         first = seen - time
         held_before = (state.held_sinks, state.sinks + state.evicted, state.quantized)
@@ -107,14 +117,13 @@ def test_the_held_window_is_the_dequantized_reference_and_bytes_match_the_formul
                 original = keys[0, h, body_start:body_start + quantized]
                 assert (ref_keys[0, h, part] - original).abs().max() > 0
                 assert (ref_keys[0, h, part] - original).abs().max() <= key_step / 2 + 1e-12
-            quantized_once = True
+            views_with_codes += 1
         torch.testing.assert_close(view.keys, ref_keys, rtol=0, atol=1e-12)
         torch.testing.assert_close(view.values, ref_values, rtol=0, atol=1e-12)
         assert state.seen == seen
-        formula = held_slot_bytes(seen, sinks, window, bits, group, residual, heads, dim)
+        formula = held_slot_bytes(seen, sinks, window, bits, group, min(residual, window - 1), heads, dim)
         assert state.nbytes() == state.predicted_nbytes(seen) == formula
-    if sum(chunks) - chunks[-1] - sinks - residual >= group:
-        assert quantized_once
+    return views_with_codes
 
 
 def test_decoding_three_windows_stays_finite_and_the_error_shrinks_with_more_bits():
