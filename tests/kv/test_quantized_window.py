@@ -17,11 +17,12 @@ from hybridlm.kv.quantized_window import QuantizedSinkWindowKV
 from tests.helpers import assert_close_rel, random_ids, relative_error, tiny_model
 
 
-def decode(model, ids, policy, prefill):
-    """Logits of a prefill of ``prefill`` tokens then one token at a time, and the cache."""
+def decode(model, ids, policy, prefill, mask=None):
+    """Logits of a prefill of ``prefill`` tokens (``mask``: its real tokens) then one token at a time, and the
+    cache."""
     cache = model.new_cache(ids.shape[0], policy=policy)
     with torch.no_grad():
-        chunks = [model(ids[:, :prefill], cache=cache)]
+        chunks = [model(ids[:, :prefill], cache=cache, attention_mask=mask)]
         chunks += [model(ids[:, t:t + 1], cache=cache) for t in range(prefill, ids.shape[1])]
     return torch.cat([c.logits for c in chunks], 1), cache
 
@@ -42,6 +43,18 @@ def test_with_the_residual_covering_the_window_it_equals_sinks_and_window(prefil
     state = quantized_state(cache)
     assert state.evicted > 0  # groups were quantized as they aged, and left the window
     assert_close_rel(got, expected)
+
+
+def test_with_left_padding_and_a_covering_residual_it_equals_sinks_and_window():
+    model = tiny_model(layer_pattern="AM")
+    ids = random_ids(2, 30)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, :3] = False
+    expected, _ = decode(model, ids, CachePolicy(sink_tokens=4, window=8), 6, mask)
+    got, _ = decode(model, ids, CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=8, sink_tokens=4, window=8), 6,
+                    mask)
+    assert_close_rel(got[0], expected[0])
+    assert_close_rel(got[1, 3:], expected[1, 3:])
 
 
 def held_slot_bytes(tokens, sinks, window, bits, group, residual, heads, dim, e=8):
