@@ -113,6 +113,19 @@ class QuantizedSinkWindowKV(QuantizedKV):
         self._evict()
         return view
 
+    def _quantize_aged(self) -> None:
+        """QuantizedKV's ageing, except that aged groups of the tail that no later query sees leave without being
+        quantized (when no quantized group is older; with ``residual`` near ``window`` every aged group does)."""
+        if not self.quantized:
+            aged = max(0, self.recent - self.residual) // self.group
+            unseen = max(0, self.seen - self.window + 1 - self.sinks - self.evicted) // self.group
+            drop = self.group * min(aged, unseen)
+            if drop:  # the view handed out is a copy (torch.cat), so the tail may change under it
+                self.recent_keys, self.recent_values = self.recent_keys[:, :, drop:], self.recent_values[:, :, drop:]
+                self.recent -= drop
+                self.evicted += drop
+        super()._quantize_aged()
+
     def _evict(self) -> None:
         """Drop the oldest quantized groups that no later query sees."""
         tokens = self._evicted_after(self.seen, self.evicted + self.quantized) - self.evicted
