@@ -317,6 +317,10 @@ def run_memory(args) -> None:
     option("--seed", type=int, help="random seed for sampling; default: not seeded"),
     option("--prefill-chunk", type=int, default=512, help="prompt tokens fed per forward during prefill"),
     option("--kv-bits", type=int, default=16, help="KV cache bits: 16, or 8 / 4 / 2 (KIVI quantization)"),
+    option("--kv-residual", type=int, default=128,
+           help="with --kv-bits: recent tokens kept in full precision (lower it for a short --window)"),
+    option("--kv-group-size", type=int, default=32, help="with --kv-bits: tokens per key scale, channels per "
+                                                         "value scale"),
     option("--sink-tokens", type=int, default=0, help="attention sinks kept with --window (StreamingLLM)"),
     option("--window", type=int, help="keep only the last WINDOW tokens' keys and values (with --sink-tokens); "
                                       "default: keep every token"),
@@ -349,8 +353,8 @@ def run_generate(args) -> None:
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     from .kv.policy import CachePolicy
 
-    policy = CachePolicy(kv_bits=args.kv_bits, sink_tokens=args.sink_tokens, window=args.window,
-                         page_size=args.page_size)
+    policy = CachePolicy(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
+                         sink_tokens=args.sink_tokens, window=args.window, page_size=args.page_size)
     _stream(model, tokenizer, prompt_ids, stops, settings, args.prefill_chunk, None if policy.is_default else policy)
 
 

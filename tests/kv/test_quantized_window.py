@@ -215,3 +215,18 @@ def test_generate_cli_with_quantized_sinks_and_window(capsys, tmp_path):
     policy = CachePolicy(kv_bits=4, sink_tokens=4, window=64)
     tokens = IncrementalDecoder(model, cache_policy=policy).generate([[3, 4, 5]], max_new_tokens=170)[0, 3:]
     assert printed == tokens.tolist()[: len(printed)] and len(printed) > 0
+
+
+def test_generate_cli_passes_kv_residual_and_group_size(capsys, tmp_path):
+    """A short window needs a short full-precision residual to quantize anything: the flags reach the policy."""
+    model = tiny_model(layer_pattern="MA", hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    model.save_pretrained(tmp_path)
+    main(["generate", "--model", str(tmp_path), "--ids", "3,4,5", "--max-new-tokens", "40", "--kv-bits", "4",
+          "--kv-residual", "4", "--kv-group-size", "8", "--sink-tokens", "2", "--window", "16"])
+    printed = [int(t) for t in capsys.readouterr().out.split()]
+    policy = CachePolicy(kv_bits=4, kv_residual=4, kv_group_size=8, sink_tokens=2, window=16)
+    decoder = IncrementalDecoder(model, cache_policy=policy)
+    tokens = decoder.generate([[3, 4, 5]], max_new_tokens=40)[0, 3:]
+    assert printed == tokens.tolist()[: len(printed)] and len(printed) > 0
+    _, cache = decode(model, random_ids(1, 43), policy, prefill=3)
+    assert quantized_state(cache).quantized > 0  # with these flags, window tokens really are quantized
