@@ -57,14 +57,17 @@ def run_delta_rule(state: SSMState | None, q, k, v, log_gate, beta, chunk_size: 
         if windows is not None:
             state.keep_states(conv=windows, ssm=state.ssm.unsqueeze(1))
         return o.unsqueeze(1)  # [batch, 1, heads, dim_v]
+    if windows is not None:  # the states after each token (the reference's chunked WY form) give o as well
+        per_token = gated_delta_rule_states(k, v, log_gate, beta, state.ssm, chunk_size)  # [b, t, h, dim_k, dim_v]
+        q_heads = q.repeat_interleave(v.shape[2] // q.shape[2], dim=2).to(per_token.dtype)  # [b, t, h, dim_k]
+        o = torch.einsum("bthk,bthkv->bthv", q_heads * q.shape[-1] ** -0.5, per_token).to(v.dtype)
+        state.ssm.copy_(per_token[:, -1])
+        state.keep_states(conv=windows, ssm=per_token)
+        return o
     o, final = ops.gated_delta_rule(q, k, v, log_gate, beta, chunk_size=chunk_size,
                                     initial_state=state.ssm if state is not None else None, **packed)
-    if windows is not None:  # the reference's chunked WY form, whichever backend ran the forward
-        per_token = gated_delta_rule_states(k, v, log_gate, beta, state.ssm, chunk_size)
     if state is not None:
         state.ssm.copy_(final)
-    if windows is not None:
-        state.keep_states(conv=windows, ssm=per_token)
     return o
 
 

@@ -92,3 +92,28 @@ def test_selective_scan_with_states_is_the_scan(groups):
     got, states = selective_scan_with_states(u, delta, A, B, C, h0, D=D, z=z)
     assert_close_rel(got, y)
     assert_close_rel(states[:, -1], final)
+
+
+@settings(max_examples=8, deadline=None)
+@given(kind=st.sampled_from(["gated_deltanet", "kda"]), time=st.sampled_from([2, 3, 9, 64]),
+       batch=st.integers(1, 2), seed=st.integers(0, 99))
+def test_tracked_delta_rule_forward_equals_the_plain_one(kind, time, batch, seed):
+    """Gated DeltaNet and KDA read a tracked forward's output out of its per-token states: equal to the plain
+    forward through the op, and so are the final state and the conv window."""
+    from hybridlm.mixers import MIXERS
+
+    layer = mixer(MIXERS[kind], seed)
+    hidden = tiny_config().hidden_size
+    gen = torch.Generator().manual_seed(seed)
+    prompt, block = torch.randn(batch, 6, hidden, generator=gen), torch.randn(batch, time, hidden, generator=gen)
+    with torch.no_grad():
+        tracked = layer.init_state(batch)
+        layer(prompt, tracked)
+        plain = tracked.clone()
+        plain.paused = True
+        got, expected = layer(block, tracked), layer(block, plain)
+    assert tracked.history is not None and plain.history is None
+    assert expected.abs().max() > 0 and plain.ssm.abs().max() > 0
+    assert_close_rel(got, expected)
+    assert_close_rel(tracked.ssm, plain.ssm)
+    assert torch.equal(tracked.conv, plain.conv)
