@@ -13,9 +13,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
 from .cache import HybridCache, LayerState, StateGroup
+from .cache_construction import CacheConstruction
 from .config import HybridConfig
 from .hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
-from .inputs import check_cache_device, check_embeddings, check_token_ids
+from .inputs import check_embeddings, check_token_ids
 from .layers.mlp import MLP, MoE, load_balancing_loss
 from .layers.norms import RMSNorm
 from .mixers import Mixer, build_mixer
@@ -148,9 +149,10 @@ def _check_mask(mask: torch.Tensor, cache: HybridCache | None) -> None:
         raise ValueError("attention_mask: padding after a row's first real token is not supported with a cache")
 
 
-class HybridModel(HybridPreTrainedModel):
+class HybridModel(CacheConstruction, HybridPreTrainedModel):
     """Embedding (scaled by ``embedding_multiplier``), the stack of :class:`HybridBlock` s, the shared blocks
-    applied inside it when ``shared_block_layers`` is set, and the final norm."""
+    applied inside it when ``shared_block_layers`` is set, and the final norm. Its cache (``new_cache``) is
+    built and checked by :class:`~hybridlm.cache_construction.CacheConstruction`."""
 
     def __init__(self, config: HybridConfig):
         super().__init__(config)
@@ -167,56 +169,6 @@ class HybridModel(HybridPreTrainedModel):
 
     def set_input_embeddings(self, value):
         self.embed_tokens = value
-
-    # --- caches ---------------------------------------------------------------------------------
-
-    def new_cache(self, batch_size: int, max_length: int | None = None, device=None, dtype=None,
-                  policy=None, static: bool = False) -> HybridCache:
-        """An empty cache for ``batch_size`` rows; attention layers preallocate ``max_length`` slots if given.
-        ``policy`` (a :class:`~hybridlm.CachePolicy`, or ``{state index: CachePolicy}``) picks the KV layout of
-        attention layers (quantized, sinks + window, heavy hitters); it stays with the cache. ``static=True``
-        fixes the capacity at ``max_length`` so that a decode step has fixed shapes (:mod:`hybridlm.kv.static`)."""
-        device = device if device is not None else self.embed_tokens.weight.device
-        dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
-        kinds, states = self._init_states(batch_size, max_length, device, dtype)
-        if policy is not None:
-            from .kv.policy import apply_policy
-
-            states = apply_policy(states, policy)
-        if static:
-            from .kv.static import make_static
-
-            states = [make_static(state, kind) for state, kind in zip(states, kinds)]
-        fixed = [mixer is None or not mixer.grows_with_context for mixer in self._state_mixers()]
-        cache = HybridCache(states, kinds, self._signature(dtype), batch_size, device, linear=fixed)
-        cache.policy, cache.capacity = policy, max_length if static else None
-        return cache
-
-    def _init_states(self, batch_size, max_length, device, dtype) -> tuple[list[str], list[LayerState]]:
-        """Kinds and empty states: one per layer, then one per shared-block application."""
-        kinds = list(self.config.layer_types)
-        states = [block.init_state(batch_size, max_length, device, dtype) for block in self.layers]
-        if self.shared is not None:
-            kinds += ["shared_attention"] * len(self.shared.layers)
-            states += self.shared.init_states(batch_size, max_length, device, dtype)
-        return kinds, states
-
-    def _signature(self, dtype: torch.dtype) -> tuple:
-        """What identifies the states this model reads: per state, its kind, its fixed shapes and the settings
-        that change what it means (``Mixer.state_fields``: a sliding window, RoPE)."""
-        if dtype not in self._signatures:
-            kinds, probe = self._init_states(1, None, "meta", dtype)
-            settings = [mixer.state_settings(self.config) if mixer is not None else () for mixer in
-                        self._state_mixers()]
-            self._signatures[dtype] = tuple(zip(kinds, (s.describe() for s in probe), settings))
-        return self._signatures[dtype]
-
-    def _state_mixers(self) -> list[Mixer | None]:
-        """The mixer that owns each state (as in :meth:`_init_states`); None for an MLP-only layer."""
-        mixers = [block.mixer for block in self.layers]
-        if self.shared is not None:
-            mixers += [self.shared.block_of(k).attention for k in range(len(self.shared.layers))]
-        return mixers
 
     # --- forward --------------------------------------------------------------------------------
 
@@ -289,16 +241,6 @@ class HybridModel(HybridPreTrainedModel):
         embeddings = self.embed_tokens(input_ids)
         multiplier = self.config.embedding_multiplier
         return embeddings if multiplier == 1.0 else embeddings * multiplier
-
-    def _check_cache(self, cache, batch: int, dtype: torch.dtype) -> None:
-        if not isinstance(cache, HybridCache):
-            raise TypeError(f"cache must be a hybridlm HybridCache (from model.new_cache), got {type(cache).__name__}")
-        check_cache_device(cache, self.embed_tokens.weight.device)
-        if cache.signature != self._signature(dtype):
-            raise ValueError("cache was built for a different model (its layer kinds or state shapes differ "
-                             f"from this model's {self.config.layer_types})")
-        if cache.batch_size != batch:
-            raise ValueError(f"cache holds {cache.batch_size} rows but the input has batch size {batch}")
 
     def _current_mask(self, attention_mask, cache, batch: int, time: int) -> torch.Tensor | None:
         """The padding mask of the new tokens, or None when none is padded. transformers' generate() passes the
