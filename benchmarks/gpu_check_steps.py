@@ -38,9 +38,9 @@ def environment(out: Path, dry_run: bool) -> None:
     for name in ("ninja", "fla", "mamba_ssm", "causal_conv1d", "flash_attn"):
         info[name] = "installed" if importlib.util.find_spec(name) else "not installed"
     print(json.dumps(info, indent=1))
-    from hybridlm.ops import backends
+    from hybridlm.ops import report
 
-    print(backends.report("cuda" if torch.cuda.is_available() else "cpu"))
+    print(report("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def reverse_scan(out: Path, dry_run: bool) -> None:

@@ -174,9 +174,9 @@ def run_demo(args) -> None:
 )
 def run_info(args) -> None:
     if args.backends:
-        from .ops import backends
+        from .ops import report
 
-        print(backends.report())
+        print(report())
         return
     if args.config and args.preset:
         raise ValueError("give --config or --preset, not both")

@@ -16,6 +16,7 @@ library cannot serve exactly, e.g. mamba-ssm's selective scan with an initial st
 A forced backend that cannot run raises :class:`BackendUnavailable` saying why: nothing falls back silently. The
 environment variable is read at first use (:func:`reload_environment` reads it again). Plans are cached per
 selection and device type, so a call costs a context-variable read and two dictionary lookups.
+:mod:`.backend_report` prints what each op can use and will use (``hybridlm info --backends``).
 """
 
 from __future__ import annotations
@@ -338,6 +339,11 @@ def use_backend(spec: str | None = None, /, **per_op: str):
         _override.reset(token)
 
 
+def in_use_backend_block() -> bool:
+    """Whether a :func:`use_backend` block is in force here."""
+    return _override.get() is not None
+
+
 def chosen(op: str, device_type: str) -> tuple[str, ...]:
     """The backends ``op`` tries on ``device_type`` tensors under the current selection, in order (loading them)."""
     return current().plan(op, device_type).names
@@ -364,41 +370,3 @@ class Dispatcher:
     def __repr__(self) -> str:
         return f"<hybridlm op {self.op}>"
 
-
-# ---- report ---------------------------------------------------------------------------------------------------
-
-def report(device: str | torch.device | None = None) -> str:
-    """A table of the backends each op has, which can run on ``device`` tensors (default: CUDA if present, else
-    CPU) and why not, and what each op will use. Builds and loads nothing."""
-    device_type = torch.device(device).type if device is not None else (
-        "cuda" if torch.cuda.is_available() else "cpu")
-    selection = current()
-    notes: dict[str, int] = {}
-
-    def note(reason: str) -> str:
-        return f"[{notes.setdefault(reason, len(notes) + 1)}]"
-
-    rows = [("op", "uses", *BACKENDS)]
-    for op, names in PREFERENCE.items():
-        reasons = {backend: unavailable_reason(backend, op, device_type) for backend in names}
-        cells = ["-" if b not in names else "yes" if reasons[b] is None else f"no {note(reasons[b])}" for b in BACKENDS]
-        forced = selection.forced.get(op)
-        if forced is not None:
-            uses = f"{forced} (forced)" + ("" if reasons[forced] is None else f" UNAVAILABLE {note(reasons[forced])}")
-        elif device_type != "cuda":
-            uses = "torch"
-        else:
-            uses = " > ".join(b for b in names if reasons[b] is None)
-        rows.append((op, uses, *cells))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    setting = os.environ.get(ENV_VAR) or "unset"
-    lines = [
-        f"hybridlm ops on {device_type} tensors ({ENV_VAR}: {setting}"
-        + ("; a use_backend block is active" if _override.get() is not None else "") + ")",
-        "uses: a > b means a, or b for the calls a declines;  -: no such kernel for the op",
-        "",
-        *("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows),
-    ]
-    if notes:
-        lines += ["", *(f"[{number}] {reason}" for reason, number in notes.items())]
-    return "\n".join(lines)
