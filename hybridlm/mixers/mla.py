@@ -8,8 +8,17 @@ Queries: ``q_proj(x)``, or ``q_b_proj(RMSNorm(q_a_proj(x)))`` with ``mla_q_lora_
 q_rot]``. Softmax scale ``(nope + rope_dim) ** -0.5`` unless ``attention_scale`` says otherwise.
 
 The state is a :class:`~hybridlm.kv.latent.LatentKV`: ``[c | rotated k_rot]`` per token, ``kv_lora_rank +
-rope_dim`` elements. Each forward expands the held latents to per-head keys and values (the plain form; the
-"absorbed" form that attends in latent space is a faster kernel for the same result).
+rope_dim`` elements. Attention runs in one of two equal forms (same numbers up to round-off):
+
+- expanded: ``kv_b_proj`` turns every held latent into per-head keys and values, then plain attention —
+  ``n·rank·heads·(nope + v)`` multiply-adds and ``n·heads·(nope + rope + v)`` elements per forward over ``n``
+  keys; the cheaper form for a long forward (prefill, training), whose queries share the expansion;
+- latent ("absorbed", DeepSeek-V2): ``kv_b_proj = [W_UK | W_UV]`` per head moves to the query side,
+  ``score = (q_nope W_UK)·c + q_rot·k_rot`` over the cached (normed) ``c`` itself, ``out = (p·c) W_UVᵀ`` — no
+  per-key expansion, ``t·n·heads·(2·rank + rope)`` multiply-adds; the cheaper form for decode and short
+  forwards on a warm cache.
+
+Each forward takes the form with fewer multiply-adds (:meth:`LatentAttention.attends_in_latent`).
 """
 
 from __future__ import annotations
@@ -64,15 +73,14 @@ class LatentAttention(Mixer):
         self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=bias)
         self.rotary = RotaryEmbedding(self.rope, config.rope_theta) if config.mla_rope and self.rope else None
+        self.latent_attention: bool | None = None  # None: the cheaper form per forward; True / False force one
 
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> LatentKV:
         return LatentKV.empty(batch_size, self.rank + self.rope, capacity=max_length or 0, device=device, dtype=dtype)
 
     def forward(self, x, state: LatentKV | None = None, *, mask=None, positions=None, segments=None):
-        packed = {}
         if segments is not None:
             check_stateless(self.kind, state, mask)
-            packed = {"seq_idx": segments.seq_idx}
         batch, time, _ = x.shape
         q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(batch, time, self.heads, -1).transpose(1, 2)  # [batch, heads, time, nope + rope]
@@ -89,13 +97,58 @@ class LatentAttention(Mixer):
                           query_positions=positions, in_order=True)
         else:
             view = state.update(latent, None, positions, None, mask)
-        keys, values = self._expand(view.keys.to(x.dtype))  # [batch, heads, n, nope + rope], [.., v_dim]
-        if view.valid is None and (time == 1 or time == keys.shape[2]):  # causality alone: SDPA's own path
-            out = ops.attention(q, keys, values, causal=time > 1, scale=self._scale(), **packed)
+        latent = view.keys.to(x.dtype)  # [batch, 1, n, rank + rope]
+        if self.attends_in_latent(time, latent.shape[2]):
+            out = self._attend_in_latent(q, latent, view, segments)
         else:
-            allowed = slot_mask(view.query_slots, view.slots, key_valid=view.valid, q_heads=self.heads)
-            out = ops.attention(q, keys, values, mask=allowed, scale=self._scale(), **packed)
+            out = self._attend_expanded(q, latent, view, segments)
         return self.o_proj(out.transpose(1, 2).reshape(batch, time, -1))  # [batch, time, hidden]
+
+    def attends_in_latent(self, queries: int, keys: int) -> bool:
+        """Whether ``queries`` new tokens over ``keys`` held ones cost fewer multiply-adds in latent space than
+        expanded (the attention products of both forms plus expanding the keys, or absorbing the queries and
+        outputs). ``latent_attention`` (True / False) forces the form. Never with an adapted or otherwise
+        wrapped ``kv_b_proj`` (e.g. LoRA): absorbing reads its weight, which would leave the adapter out."""
+        if type(self.kv_b_proj) is not nn.Linear:
+            return False
+        if self.latent_attention is not None:
+            return self.latent_attention
+        per_head = self.heads * (self.nope + self.v_dim)
+        expanded = keys * self.rank * per_head + queries * keys * self.heads * (self.nope + self.rope + self.v_dim)
+        latent = queries * self.rank * per_head + queries * keys * self.heads * (2 * self.rank + self.rope)
+        return latent < expanded
+
+    def _attend_expanded(self, q, latent, view, segments) -> torch.Tensor:
+        """``q [batch, heads, time, nope + rope]`` over the held latents expanded to keys and values (SDPA):
+        ``[batch, heads, time, v_dim]``."""
+        keys, values = self._expand(latent)  # [batch, heads, n, nope + rope], [batch, heads, n, v_dim]
+        time, packed = q.shape[2], {"seq_idx": segments.seq_idx} if segments is not None else {}
+        if view.valid is None and (time == 1 or time == keys.shape[2]):  # causality alone: SDPA's own path
+            return ops.attention(q, keys, values, causal=time > 1, scale=self._scale(), **packed)
+        allowed = slot_mask(view.query_slots, view.slots, key_valid=view.valid, q_heads=self.heads)
+        return ops.attention(q, keys, values, mask=allowed, scale=self._scale(), **packed)
+
+    def _attend_in_latent(self, q, latent, view, segments) -> torch.Tensor:
+        """``q [batch, heads, time, nope + rope]`` over the held latents ``[batch, 1, n, rank + rope]`` without
+        expanding them: ``kv_b_proj``'s key half absorbed into the queries, its value half applied to the
+        attention-weighted latent. ``[batch, heads, time, v_dim]``."""
+        batch, heads, time, _ = q.shape
+        n = latent.shape[2]
+        w_uk, w_uv = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank).split(
+            [self.nope, self.v_dim], dim=1)  # [heads, nope, rank], [heads, v_dim, rank]
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
+        q_latent = torch.cat([torch.einsum("bhtd,hdr->bhtr", q_nope, w_uk), q_rot], dim=-1) * self._scale()
+        held = latent[:, 0]  # [batch, n, rank + rope]: one matrix for all heads (heads folded into the rows)
+        scores = torch.bmm(q_latent.reshape(batch, heads * time, -1), held.transpose(1, 2))  # [b, h·t, n]
+        scores = scores.view(batch, heads, time, n)
+        if not (view.valid is None and time == 1 and segments is None):  # a lone query sees every held key
+            allowed = slot_mask(view.query_slots, view.slots, key_valid=view.valid)  # [batch or 1, 1, t, n]
+            if segments is not None:  # packed (stateless): only keys of the query's own sequence
+                allowed = allowed & (segments.seq_idx[:, :, None] == segments.seq_idx[:, None, :])[:, None]
+            scores = scores.masked_fill(~allowed, -torch.inf)
+        probs = scores.softmax(dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
+        mixed = torch.bmm(probs.view(batch, heads * time, n), held[..., : self.rank])  # [b, h·t, rank]
+        return torch.einsum("bhtr,hvr->bhtv", mixed.view(batch, heads, time, self.rank), w_uv)
 
     def _scale(self) -> float:
         return self.scale if self.scale is not None else (self.nope + self.rope) ** -0.5

@@ -50,9 +50,12 @@ def literal_mla(mixer, config, x):
     return out @ p["o_proj.weight"].T
 
 
+@pytest.mark.parametrize("latent_form", [False, True])
 @pytest.mark.parametrize("overrides", [dict(mla_rope=False), dict(mla_rope=True, mla_q_lora_rank=10)])
-def test_mla_equals_attention_written_out(overrides):
+def test_mla_equals_attention_written_out(overrides, latent_form):
+    """Both forms of the attention (expanded keys and values; absorbed, in latent space) against the literal."""
     mixer, config = build("mla", **SIZES, **overrides)
+    mixer.latent_attention = latent_form
     with torch.no_grad():
         for name, t in mixer.named_parameters():
             if name.endswith("layernorm.weight"):
