@@ -186,3 +186,33 @@ def test_moe_routes_densely_only_where_it_costs_little():
     moe = next(module for module in model.modules() if isinstance(module, MoE))
     assert [moe.routes_densely(tokens) for tokens in (1, 3, 4, DENSE_ROUTING_TOKENS + 1)] == [False, False, True,
                                                                                                 False]
+
+
+@torch.no_grad()
+def test_a_compiled_batch_one_moe_step_branches_per_expert():
+    """Compiled on CPU, a step whose choices cannot reach every expert keeps fixed shapes yet runs only the
+    chosen experts: one ``torch.cond`` per expert in the traced graph, and the same logits as the sparse eager
+    step. With a batch whose choices reach every expert, no branch (all experts run)."""
+    from hybridlm.layers.mlp import MoE
+
+    def traced_conds(ids: torch.Tensor, cache) -> tuple[torch.Tensor, int]:
+        conds = []
+
+        def backend(graph, inputs):
+            conds.extend(node for node in graph.graph.nodes if node.target is torch.ops.higher_order.cond)
+            return graph.forward
+
+        traced = torch.compile(decode_logits, fullgraph=True, dynamic=False, backend=backend)
+        return traced(model, ids, cache), len(conds)
+
+    model = tiny_model(layer_pattern="A", mlp_types=["moe"], num_experts=8)
+    moe = next(module for module in model.modules() if isinstance(module, MoE))
+    for batch, branches in ((1, len(moe.experts)), (4, 0)):
+        torch._dynamo.reset()
+        ids = random_ids(batch, 7)
+        cache = model.new_cache(batch, max_length=8, static=True)
+        model(ids[:, :6], cache=cache)
+        eager = decode_logits(model, ids[:, 6:7], cache.snapshot())
+        logits, conds = traced_conds(ids[:, 6:7], cache)
+        assert_close_rel(logits, eager, rel=1e-6)
+        assert conds == branches

@@ -140,15 +140,45 @@ class MoE(nn.Module):
                 out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None])
         return out
 
+    def _weights_by_expert(self, flat, weights, chosen) -> torch.Tensor:
+        """``[tokens, E]``: each token's routing weight per expert, 0 where not chosen."""
+        dense = torch.zeros(flat.shape[0], len(self.experts), dtype=flat.dtype, device=flat.device)
+        return dense.scatter_(1, chosen, weights)
+
     def _every_expert(self, flat, weights, chosen) -> torch.Tensor:
         """The same sum with every expert on every token, weighted 0 where not chosen (see
         :data:`DENSE_ROUTING_TOKENS`)."""
-        dense = torch.zeros(flat.shape[0], len(self.experts), dtype=flat.dtype, device=flat.device)
-        dense.scatter_(1, chosen, weights)  # [tokens, E]
+        dense = self._weights_by_expert(flat, weights, chosen)  # [tokens, E]
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             out = out + expert(flat) * dense[:, e, None]
         return out
+
+    def _used_experts(self, flat, weights, chosen) -> torch.Tensor:
+        """The same sum, compiled, with fixed shapes: each expert runs inside a ``torch.cond`` branch taken only
+        when some token chose it, so a batch-1 step reads ``top_k`` experts' weights rather than all of them.
+        CPU only: on a GPU the branch would read its predicate back to the host (and rule out CUDA graphs)."""
+        dense = self._weights_by_expert(flat, weights, chosen)  # [tokens, E]
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            weight = dense[:, e, None]  # [tokens, 1]
+            out = out + torch.cond(
+                (weight != 0).any(),
+                lambda x, w, expert=expert: expert(x) * w,
+                lambda x, w: torch.zeros_like(x),
+                (flat, weight),
+            )
+        return out
+
+    def _route_for(self, flat: torch.Tensor):
+        """The expert sum for ``flat [tokens, hidden]``: sparse (eager, few tokens), branching (compiled on CPU,
+        fewer choices than experts) or dense (see :meth:`routes_densely`)."""
+        if not self.routes_densely(flat.shape[0]):
+            return self._chosen_experts
+        branching = torch.compiler.is_compiling() and flat.device.type == "cpu"
+        if branching and flat.shape[0] * self.top_k < len(self.experts):
+            return self._used_experts
+        return self._every_expert
 
     def routes_densely(self, tokens: int) -> bool:
         """Every expert on every token for a short forward that is being compiled (no graph break), or whose
@@ -163,8 +193,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])
         probs, weights, chosen = self.route(flat)
         weights = weights.to(x.dtype)
-        route = self._every_expert if self.routes_densely(flat.shape[0]) else self._chosen_experts
-        out = route(flat, weights, chosen)
+        out = self._route_for(flat)(flat, weights, chosen)
         if self.shared_expert is not None:
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:
