@@ -216,3 +216,25 @@ def test_fp32_tiles_narrower_than_the_chunk():
     inputs = ssd_inputs(1, 70, 1, 4, 3, 40, True, "channel")
     inputs["B"], inputs["C"] = inputs["B"] * 40**-0.5, inputs["C"] * 40**-0.5
     check_against_reference(kernels.ssd_chunk_scan, ssd_chunk_scan_ref, inputs, chunk_size=48)
+
+
+def test_chunk_scan_dots_are_output_rows_before_the_row_scale_dotted_with_their_group_row():
+    """``dot_with`` (the backward's q.dq, k.dk, x.dv): each output row before the row scale, dotted with the row
+    of its head's group, summed over two value blocks (80 = 64 + 16); in float64 by an einsum."""
+    torch.manual_seed(9)
+    chunked_scan = kernels.chunked_scan
+    batch, time, groups, heads, dk, dv, chunk = 1, 11, 2, 4, 8, 80, 4
+    q, k = randn(batch, time, groups, dk), randn(batch, time, groups, dk)
+    v, r = randn(batch, time, heads, dv), randn(batch, time, groups, dv)
+    chunks = chunked_scan.uniform_chunks(batch, time, chunk, DEVICE)
+    g_cum = chunked_scan.chunk_cumsum(-uniform(batch, time, heads, low=0.1, high=0.5), chunks)
+    states, scale = randn(chunks.count, heads, dv, dk), uniform(batch, time, heads, low=0.5, high=1.5)
+    plain = chunked_scan.chunk_scan(q, k, v, states, g_cum, chunks)
+    with poisoned_outputs():
+        out, dots = chunked_scan.chunk_scan(q, k, v, states, g_cum, chunks, scale=scale, scale_rows=True,
+                                            dot_with=r)
+    by_group = plain.double().view(batch, time, groups, heads // groups, dv)  # head h = group * 2 + e
+    expected = torch.einsum("btgep,btgp->btge", by_group, r.double()).flatten(2)
+    assert expected.abs().max() > 1
+    torch.testing.assert_close(dots, expected.float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out, plain * scale[..., None], rtol=1e-6, atol=1e-6)

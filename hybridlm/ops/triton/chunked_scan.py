@@ -19,8 +19,10 @@ swapped:
 * ``dg``: the gradient of the cumulative decay, ``q.dq - k.dk`` (plus ``dS . S`` at each chunk's last token),
   summed in reverse by ``chunk_cumsum`` (reversed).
 
-Plain torch between kernels: those dot products per token, the sum of per-head ``dq, dk`` over the heads of a
-group, the chunk-end states ``dS . S`` and the scale's gradient ``dv . v`` (all elementwise).
+The per-token dot products (``q.dq``, ``k.dk`` and the scale's gradient ``v.dv``) come out of ``chunk_scan``
+with its outputs (``dot_with``), and the scale's product ``dv * scale`` is its row scale. Plain torch between
+kernels: the sum of per-head ``dq, dk`` over the heads of a group (when a group has several heads), the chunk-end
+states ``dS . S`` (per chunk, not per token) and the ``[batch, time, heads]`` sums of the decay's gradient.
 Chunks never cross a sequence, so fixed-length batches and packed variable-length batches (one initial/final
 state per sequence) are the same code: a table of chunks, each a batch row and a time range.
 """
@@ -115,12 +117,14 @@ def chunk_scores(q, k, chunks: Chunks) -> torch.Tensor:
 
 
 def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, skip=None, skip_weight=None,
-               dtype=torch.float32, scores=None, scale=None, scale_rows=False) -> torch.Tensor:
+               dtype=torch.float32, scores=None, scale=None, scale_rows=False, dot_with=None):
     """Outputs ``[batch, time, heads, dim_v]`` in ``dtype``; ``states`` is ``[n_chunks, heads, dim_v, dim_k]``
     (any strides). ``skip [batch, time, heads, dim_v]`` times ``skip_weight [heads, dim_v]`` is added (fused).
     ``scores``: :func:`chunk_scores` of ``q, k`` (any strides: its transpose for ``k, q``), else computed here
     per head. ``scale [batch, time, heads]`` (fp32, contiguous) scales the rows of ``k, v`` (or with
-    ``scale_rows``, of ``q``)."""
+    ``scale_rows``, of ``q``). With ``dot_with [batch, time, heads or groups, dim_v]`` returns ``(outputs,
+    dots)``: ``dots [batch, time, heads]`` fp32, each output row before the row scale and the skip dotted with
+    ``dot_with``'s row (of the head's group)."""
     batch, time, heads, dv = g_cum.shape[0], g_cum.shape[1], g_cum.shape[2], v.shape[3]
     dk = q.shape[3]
     out = new_buffer((batch, time, heads, dv), v, dtype)
@@ -128,17 +132,21 @@ def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, sk
     score_args = (scores, *scores.stride()) if scores is not None else (v, *(0,) * 4)
     block_m, block_v = block(chunks.size, maximum=64), block(dv, maximum=64)
     block_n, block_k = _score_blocks(chunks.size, dk, q, k, v)
+    n_vb = triton.cdiv(dv, block_v)
+    dots = None if dot_with is None else new_buffer((batch, time, heads, n_vb), v, torch.float32)
+    dot_args = (dot_with, dots, *_strides(dot_with, heads)) if dot_with is not None else (v, out, *(0,) * 4, 1)
     launch(
-        _chunk_scan_kernel, (chunks.count, triton.cdiv(chunks.size, block_m), heads * triton.cdiv(dv, block_v)),
-        q, k, v, states, g_cum, skip_args[0], skip_args[1], score_args[0], g_cum if scale is None else scale, out,
-        chunks.table, chunks.count, time,
+        _chunk_scan_kernel, (chunks.count, triton.cdiv(chunks.size, block_m), heads * n_vb),
+        q, k, v, states, g_cum, skip_args[0], skip_args[1], score_args[0], g_cum if scale is None else scale,
+        dot_args[0], out, dot_args[1], chunks.table, chunks.count, time,
         *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), *skip_args[2:],
-        *score_args[1:], dk, dv, REVERSE=reverse, HAS_SKIP=skip is not None, HAS_SCORES=scores is not None,
-        SCALE_ROWS=scale is not None and scale_rows, SCALE_COLS=scale is not None and not scale_rows,
+        *score_args[1:], *dot_args[2:], dk, dv, REVERSE=reverse, HAS_SKIP=skip is not None,
+        HAS_SCORES=scores is not None, SCALE_ROWS=scale is not None and scale_rows,
+        SCALE_COLS=scale is not None and not scale_rows, HAS_DOTS=dot_with is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_V=block_v,
         DOT_DTYPE=dot_dtype(q, k, v), STATE_DOT_DTYPE=state_dot_dtype(q, k, v),
     )
-    return out
+    return out if dots is None else (out, dots.sum(-1) if n_vb > 1 else dots.squeeze(-1))
 
 
 # --- autograd ---------------------------------------------------------------------------------------------
@@ -156,16 +164,10 @@ def _chunk_end_gradient(d_after, entering, added, g_cum, chunks: Chunks) -> torc
 
 
 def _per_group(x_heads: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum per-head gradients ``[batch, time, heads, dim]`` over the heads that share a group's slice."""
+    """Sum per-head gradients ``[batch, time, heads, dim]`` over the heads that share a group's slice (one head
+    per group: as they are)."""
     batch, time, heads, dim = x_heads.shape
-    return x_heads.view(batch, time, groups, heads // groups, dim).sum(3)
-
-
-def _dot_per_head(x_heads: torch.Tensor, x_groups: torch.Tensor) -> torch.Tensor:
-    """``sum_d x_heads[b, t, h, d] * x_groups[b, t, h // ratio, d]`` -> ``[batch, time, heads]``."""
-    batch, time, heads, dim = x_heads.shape
-    groups = x_groups.shape[2]
-    return (x_heads.view(batch, time, groups, heads // groups, dim) * x_groups.float().unsqueeze(3)).sum(-1).flatten(2)
+    return x_heads if heads == groups else x_heads.view(batch, time, groups, heads // groups, dim).sum(3)
 
 
 class _ChunkedScan(torch.autograd.Function):
@@ -187,25 +189,28 @@ class _ChunkedScan(torch.autograd.Function):
         q, k, v, v_scale, g_cum, initial_state, skip, skip_weight = ctx.saved_tensors
         chunks = ctx.chunks
         dy = dy.float()
-        groups = q.shape[2]
+        heads, groups = v.shape[2], q.shape[2]
+        grad_dtype = q.dtype if heads == groups else torch.float32  # else summed over a group's heads, in fp32
         scale = None if v_scale is None else v_scale.float().contiguous()
         added = chunk_state(k, v, g_cum, chunks, scale=scale)
         entering, _ = state_passing(added, g_cum, initial_state, chunks)
         direct = chunk_state(q, dy, g_cum, chunks, reverse=True)
         d_after, d_initial = state_passing(direct, g_cum, d_final, chunks, reverse=True)
-        dq = chunk_scan(dy, v, k, entering.transpose(2, 3), g_cum, chunks, scale=scale)
-        dk = chunk_scan(v, dy, q, d_after.transpose(2, 3), g_cum, chunks, reverse=True, scale=scale, scale_rows=True)
-        dv = chunk_scan(k, q, dy, d_after, g_cum, chunks, reverse=True,
-                        scores=chunk_scores(q, k, chunks).transpose(2, 3))
-        d_cum = _dot_per_head(dq, q) - _dot_per_head(dk, k)
+        # q . dq and k . dk per token and head (the decay's gradient) come out of the kernels with dq and dk
+        dq, q_dq = chunk_scan(dy, v, k, entering.transpose(2, 3), g_cum, chunks, scale=scale, dtype=grad_dtype,
+                              dot_with=q)
+        dk, k_dk = chunk_scan(v, dy, q, d_after.transpose(2, 3), g_cum, chunks, reverse=True, scale=scale,
+                              scale_rows=True, dtype=grad_dtype, dot_with=k)
+        # dv is the gradient of v * scale: dv * scale for v (the row scale), v . dv for the scale (the dots)
+        dv = chunk_scan(k, q, dy, d_after, g_cum, chunks, reverse=True, dtype=v.dtype, scale=scale, scale_rows=True,
+                        scores=chunk_scores(q, k, chunks).transpose(2, 3), dot_with=v if scale is not None else None)
+        dv, d_scale = dv if scale is not None else (dv, None)
+        d_cum = q_dq - (k_dk if scale is None else k_dk * scale)  # k_dk was taken before dk's row scale
         d_cum += _chunk_end_gradient(d_after, entering, added, g_cum, chunks)
         d_log_decay = chunk_cumsum(d_cum, chunks, reverse=True)
-        d_scale = None
-        if v_scale is not None:  # dv is the gradient of v * scale: dv * scale for v, (dv . v) for the scale
-            d_scale = (dv * v.float()).sum(-1).to(v_scale.dtype)
-            dv = dv * scale.unsqueeze(-1)
         return (
-            _per_group(dq, groups).to(q.dtype), _per_group(dk, groups).to(k.dtype), dv.to(v.dtype), d_scale,
+            _per_group(dq, groups).to(q.dtype), _per_group(dk, groups).to(k.dtype), dv,
+            d_scale.to(v_scale.dtype) if d_scale is not None else None,
             d_log_decay.to(ctx.decay_dtype), d_initial.to(initial_state.dtype) if initial_state is not None else None,
             None, *_skip_gradients(dy, skip, skip_weight), None,
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import cdiv, mm, program_id64, running_total, tuned
+from ._common import cdiv, mm, program_id64, running_total, total, tuned
 
 
 @triton.jit
@@ -23,8 +23,7 @@ def _chunk_cumsum_kernel(
     t = start + tl.arange(0, BLOCK_L)
     mask = t < end
     x = tl.load(X + row * sx_b + t * sx_t + h * sx_h, mask=mask, other=0.0).to(tl.float32)
-    total = running_total(x, 0, REVERSE)
-    tl.store(OUT + (row * time + t) * n_heads + h, total, mask=mask)
+    tl.store(OUT + (row * time + t) * n_heads + h, running_total(x, 0, REVERSE), mask=mask)
 
 
 @tuned((4, 2), (4, 3), (8, 3), key=["DK", "DV"])
@@ -137,11 +136,12 @@ def _chunk_scores_kernel(
 @tuned((4, 2), (8, 2), (8, 3), key=["DK", "DV"])
 @triton.jit
 def _chunk_scan_kernel(
-    Q, K, V, S, G, X, W, P, T, OUT, TABLE, n_chunks, time,
+    Q, K, V, S, G, X, W, P, T, R, OUT, DOTS, TABLE, n_chunks, time,
     sq_b, sq_t, sq_h, sq_d, q_ratio, sk_b, sk_t, sk_h, sk_d, k_ratio, sv_b, sv_t, sv_h, sv_d, v_ratio,
-    ss_c, ss_h, ss_v, ss_k, sx_b, sx_t, sx_h, sx_d, sw_h, sw_d, sp_c, sp_g, sp_m, sp_n, DK, DV,
+    ss_c, ss_h, ss_v, ss_k, sx_b, sx_t, sx_h, sx_d, sw_h, sw_d, sp_c, sp_g, sp_m, sp_n,
+    sr_b, sr_t, sr_h, sr_d, r_ratio, DK, DV,
     REVERSE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_SCORES: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    SCALE_COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_COLS: tl.constexpr, HAS_DOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, STATE_DOT_DTYPE: tl.constexpr,
 ):
     """OUT[t] = sum_{s <= t in the chunk} (q[t].k[s]) decay(s -> t) v[t] + decay(start -> t) S[c] q[t].
@@ -153,7 +153,10 @@ def _chunk_scan_kernel(
     With HAS_SCORES the products q[t].k[s] are read from P (:func:`chunk_scores`, [chunk, group, t - start,
     s - start] by strides; its causal half) instead of computed per head and value block. T [batch, time,
     head] (like G) scales the rows of q (SCALE_ROWS: OUT[t] before the skip times T[t]) or those of k and v
-    (SCALE_COLS: the term of s times T[s]), which is SSD's v = dt x in whichever role v plays.
+    (SCALE_COLS: the term of s times T[s]), which is SSD's v = dt x in whichever role v plays. With HAS_DOTS
+    the row products OUT[t] . R[t] before the row scale and the skip (R like OUT, head h reading R's slice
+    h // r_ratio) are stored, summed over this value block, in DOTS [batch, time, head, value block] fp32: the
+    backward's per-token sums (q . dq, k . dk, x . dv) without another pass over its fp32 gradients.
     """
     c, mb, pid = program_id64(0), tl.program_id(1), tl.program_id(2)
     n_vb = cdiv(DV, BLOCK_V)
@@ -224,6 +227,11 @@ def _chunk_scan_kernel(
         p = tl.where(keep, scores * decay, 0.0)
         acc += mm(p, v, DOT_DTYPE)
     mask = mask_m[:, None] & mask_v[None, :]
+    if HAS_DOTS:
+        r = tl.load(R + row * sr_b + offs_m[:, None] * sr_t + (h // r_ratio) * sr_h + offs_v[None, :] * sr_d,
+                    mask=mask, other=0.0)  # [BLOCK_M, BLOCK_V]
+        tl.store(DOTS + ((row * time + offs_m) * n_heads + h) * n_vb + vb, total(acc * r.to(tl.float32), 1),
+                 mask=mask_m)
     if SCALE_ROWS:
         acc = acc * tl.load(t_row + offs_m * n_heads, mask=mask_m, other=0.0)[:, None]
     if HAS_SKIP:
