@@ -1,14 +1,23 @@
-"""Checks shared by every format test: a tiny transformers model against the same weights loaded by hybridlm.
+"""Checks shared by every format test: a tiny transformers model against the same weights loaded by hybridlm,
+and a hybridlm model exported to a foreign format against transformers' reading of it.
 
 Typical use::
 
-    hf = transformers.JambaForCausalLM(tiny_config).eval()
-    ours = save_and_load(hf, tmp_path)
-    check_all(hf, ours, vocab_size=tiny_config.vocab_size)
+    tiny_jamba = tiny_model_maker(transformers.JambaForCausalLM, transformers.JambaConfig, vocab_size=256, ...)
+    jamba = checkpoint_fixture("jamba", tiny_jamba)  # module-scoped: (hf, ours, directory)
+
+    def test_jamba_runs_like_transformers(jamba):
+        hf, ours, _ = jamba
+        check_all(hf, ours, vocab_size=256)
 """
 
 from __future__ import annotations
 
+import copy
+import json
+import shutil
+
+import pytest
 import torch
 
 import hybridlm
@@ -32,10 +41,57 @@ def randomize(model, seed: int = 0, scale: float = 0.1):
     return model
 
 
-def tiny_transformers_model(model_class, config):
-    """``model_class(config)`` built with seed 0, every parameter randomised (see :func:`randomize`), in eval mode."""
+def tiny_transformers_model(model_class, config, randomizer=randomize):
+    """``model_class(config)`` built with seed 0, every parameter randomised (by ``randomizer``, default
+    :func:`randomize`), in eval mode."""
     torch.manual_seed(0)
-    return randomize(model_class(config).eval())
+    return randomizer(model_class(config).eval())
+
+
+def tiny_model_maker(model_class, config_class, randomizer=randomize, **settings):
+    """A function ``make(**overrides)``: :func:`tiny_transformers_model` of ``config_class(**settings)`` with
+    ``overrides`` replacing or adding settings."""
+
+    def make(**overrides):
+        return tiny_transformers_model(model_class, config_class(**{**settings, **overrides}), randomizer)
+
+    return make
+
+
+def checkpoint_fixture(name: str, make):
+    """A module-scoped fixture called ``name``: ``(hf, ours, directory)``, the model ``make()`` builds, saved by
+    transformers in ``directory`` and loaded by hybridlm."""
+
+    @pytest.fixture(scope="module", name=name)
+    def fixture(tmp_path_factory):
+        hf = make()
+        directory = tmp_path_factory.mktemp(name)
+        return hf, save_and_load(hf, directory), directory
+
+    return fixture
+
+
+def check_settings_refused(directory, target, match: str, **config_changes) -> None:
+    """Loading a copy (at ``target``) of the checkpoint in ``directory`` whose ``config.json`` has
+    ``config_changes`` fails with an error matching ``match``."""
+    shutil.copytree(directory, target, dirs_exist_ok=True)
+    config = json.loads((target / "config.json").read_text())
+    config.update(config_changes)
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=match):
+        hybridlm.HybridForCausalLM.from_pretrained(target)
+
+
+#: A one-layer vision tower for the multimodal checkpoints whose language model hybridlm reads.
+TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=2,
+                   temporal_patch_size=1, spatial_merge_size=1)
+
+
+def multimodal_checkpoint(model_class, config_class, text_config: dict, directory):
+    """``(hf, ours)``: a tiny multimodal transformers model (text ``text_config``, :data:`TINY_VISION`) and its
+    language model as hybridlm loads it from ``directory``."""
+    hf = tiny_transformers_model(model_class, config_class(text_config=text_config, vision_config=TINY_VISION))
+    return hf, save_and_load(hf, directory)
 
 
 def random_ids(vocab_size: int, batch: int, length: int, seed: int = 0, low: int = 1) -> torch.Tensor:
@@ -46,6 +102,7 @@ def random_ids(vocab_size: int, batch: int, length: int, seed: int = 0, low: int
 @torch.no_grad()
 def check_logits(hf_model, ours, ids: torch.Tensor, atol: float = LOGITS_ATOL) -> float:
     expected = hf_model(ids).logits.float()
+    assert expected.abs().max() > 0, "the reference logits are all zero: the comparison would prove nothing"
     got = ours(ids).logits.float()
     diff = (expected - got).abs().max().item()
     assert diff <= atol, f"max |logits difference| {diff:.3g} > {atol}"
@@ -110,13 +167,54 @@ def check_export_round_trip(ours, source_directory, out_directory, model_type: s
     check_logits(back, ours, random_ids(vocab_size, 2, length))
 
 
-def check_all(hf_model, ours, vocab_size: int, length: int = 13) -> None:
-    """Logits (batch of two, length not a multiple of any chunk size), greedy decoding, padding, continuation."""
+def check_all(hf_model, ours, vocab_size: int, length: int = 13, float64_continuation: bool = False) -> None:
+    """Logits (batch of two, length not a multiple of any chunk size), greedy decoding, padding, continuation.
+    ``float64_continuation``: the continuation is checked on a float64 copy of ``ours`` to a relative 1e-12
+    (for delta-rule models, whose fp32 rounding the model amplifies past 1e-5; see docs/formats.md)."""
     ids = random_ids(vocab_size, 2, length)
     check_logits(hf_model, ours, ids)
     check_greedy(hf_model, ours, ids[:1, :7])
     check_left_padding(ours, vocab_size)
+    if float64_continuation:
+        check_continuation(copy.deepcopy(ours).double(), ids, rel=1e-12)
+    else:
+        check_continuation(ours, ids)
+
+
+def check_logits_and_continuation(hf_model, ours, vocab_size: int, length: int) -> None:
+    """Logits of a batch of two sequences of ``length``, and the cache continuation of the same ids (for variants
+    whose greedy decoding transformers does not run alike, or that need not be decoded again)."""
+    ids = random_ids(vocab_size, 2, length)
+    check_logits(hf_model, ours, ids)
     check_continuation(ours, ids)
+
+
+def check_logits_and_greedy(hf_model, ours, vocab_size: int, length: int) -> None:
+    """Logits of a batch of two sequences of ``length``, and greedy decoding from the first 7 tokens of one."""
+    ids = random_ids(vocab_size, 2, length)
+    check_logits(hf_model, ours, ids)
+    check_greedy(hf_model, ours, ids[:1, :7])
+
+
+def check_export(ours, directory, model_type: str):
+    """``ours`` written as ``model_type``; transformers reads it back and gives the same logits (two sequences of
+    10 ids). Returns transformers' model."""
+    from transformers import AutoModelForCausalLM
+
+    ours.save_pretrained(directory, format=model_type)
+    back = AutoModelForCausalLM.from_pretrained(directory).eval()
+    check_logits(back, ours, random_ids(ours.config.vocab_size, 2, 10))
+    return back
+
+
+def export_refusal(model, directory, model_type: str) -> str:
+    """The error of writing ``model`` as ``model_type`` (which must refuse it), after checking that nothing was
+    written."""
+    target = directory / "out"
+    with pytest.raises(ValueError, match=f"cannot be written as {model_type}: ") as error:
+        model.save_pretrained(target, format=model_type)
+    assert not target.exists()
+    return str(error.value)
 
 
 @torch.no_grad()

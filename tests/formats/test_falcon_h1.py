@@ -1,9 +1,6 @@
 """Falcon-H1 checkpoints: attention and Mamba-2 in parallel in every layer, a Mamba-2 width of its own, the three
 output-norm variants, and every µP multiplier set to a distinct value; loaded exactly."""
 
-import json
-import shutil
-
 import pytest
 import transformers
 
@@ -12,11 +9,12 @@ import hybridlm
 from .compare import (
     check_all,
     check_beam_search,
-    check_continuation,
-    check_logits,
+    check_logits_and_continuation,
+    check_settings_refused,
+    checkpoint_fixture,
     random_ids,
     save_and_load,
-    tiny_transformers_model,
+    tiny_model_maker,
 )
 
 VOCAB = 256
@@ -24,21 +22,12 @@ MULTIPLIERS = dict(embedding_multiplier=1.5, lm_head_multiplier=0.7, mlp_multipl
                    attention_in_multiplier=1.2, attention_out_multiplier=0.9, ssm_in_multiplier=0.8,
                    ssm_out_multiplier=1.4, ssm_multipliers=[0.5, 1.5, 0.7, 1.1, 2.0])
 
-
-def tiny_falcon_h1(**overrides) -> transformers.FalconH1ForCausalLM:
-    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                    num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=96, mamba_n_heads=6, mamba_n_groups=2,
-                    mamba_d_state=16, mamba_chunk_size=8, mamba_rms_norm=True, mamba_norm_before_gate=True,
-                    **MULTIPLIERS)
-    config = transformers.FalconH1Config(**{**settings, **overrides})
-    return tiny_transformers_model(transformers.FalconH1ForCausalLM, config)
-
-
-@pytest.fixture(scope="module")
-def falcon(tmp_path_factory):
-    hf = tiny_falcon_h1()
-    directory = tmp_path_factory.mktemp("falcon_h1")
-    return hf, save_and_load(hf, directory), directory
+tiny_falcon_h1 = tiny_model_maker(
+    transformers.FalconH1ForCausalLM, transformers.FalconH1Config, vocab_size=VOCAB, hidden_size=64,
+    intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=96,
+    mamba_n_heads=6, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8, mamba_rms_norm=True,
+    mamba_norm_before_gate=True, **MULTIPLIERS)
+falcon = checkpoint_fixture("falcon", tiny_falcon_h1)
 
 
 def test_falcon_h1_runs_like_transformers(falcon):
@@ -60,19 +49,13 @@ def test_norm_variants_biases_and_tied_head(variant, tmp_path):
     """Multipliers folded into biases too, the gated norm, no norm at all, a tied head and a binding dt clamp."""
     hf = tiny_falcon_h1(**variant)
     ours = save_and_load(hf, tmp_path)
-    ids = random_ids(VOCAB, 2, 17)
-    check_logits(hf, ours, ids)
-    check_continuation(ours, ids)
+    check_logits_and_continuation(hf, ours, VOCAB, 17)
 
 
 def test_unsupported_settings_are_named(falcon, tmp_path):
     _, _, directory = falcon
-    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config.update(mlp_bias=True, projectors_bias=True)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"falcon_h1 checkpoint .*mlp_bias=True.*projectors_bias=True"):
-        hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
+    check_settings_refused(directory, tmp_path, r"falcon_h1 checkpoint .*mlp_bias=True.*projectors_bias=True",
+                           mlp_bias=True, projectors_bias=True)
 
 
 def test_beam_search_reorders_falcon_states(falcon):

@@ -10,19 +10,22 @@ import hybridlm
 
 from .compare import (
     check_all,
+    check_export,
     check_export_round_trip,
-    check_logits,
+    checkpoint_fixture,
+    export_refusal,
     random_ids,
     randomize,
-    save_and_load,
     tiny_transformers_model,
 )
 
 VOCAB = 256
 
 
+
 def tiny_jamba_config(**overrides) -> transformers.JambaConfig:
-    """5 layers: attention at 1 and 4 (GQA, no RoPE), top-2 MoE over 4 experts at odd layers."""
+    """5 layers: attention at 1 and 4 (GQA, no RoPE), top-2 MoE over 4 experts at odd layers. (Also used by
+    tests/test_cli.py, tests/model/test_moe_loss.py and tests/training/test_finetune.py.)"""
     settings = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
         num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,
@@ -31,11 +34,7 @@ def tiny_jamba_config(**overrides) -> transformers.JambaConfig:
     return transformers.JambaConfig(**{**settings, **overrides})
 
 
-@pytest.fixture(scope="module")
-def jamba(tmp_path_factory):
-    hf = tiny_transformers_model(transformers.JambaForCausalLM, tiny_jamba_config())
-    directory = tmp_path_factory.mktemp("jamba")
-    return hf, save_and_load(hf, directory), directory
+jamba = checkpoint_fixture("jamba", lambda: tiny_transformers_model(transformers.JambaForCausalLM, tiny_jamba_config()))
 
 
 def test_jamba_runs_like_transformers(jamba):
@@ -77,11 +76,9 @@ def test_hybridlm_model_exports_to_jamba(tmp_path):
     )
     torch.manual_seed(1)
     ours = randomize(hybridlm.HybridForCausalLM(config).eval(), seed=1)
-    ours.save_pretrained(tmp_path, format="jamba")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    back = check_export(ours, tmp_path, "jamba")
     assert back.config.layers_block_type == ["mamba", "mamba", "attention", "mamba"]
     assert back.config.tie_word_embeddings
-    check_logits(back, ours, random_ids(VOCAB, 2, 10))
 
 
 @pytest.mark.parametrize("settings, complaint", [
@@ -96,7 +93,4 @@ def test_hybridlm_model_exports_to_jamba(tmp_path):
 def test_export_refuses_what_jamba_cannot_hold(settings, complaint, tmp_path):
     base = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=2, mamba_dt_norm=True)
     model = hybridlm.HybridForCausalLM(hybridlm.HybridConfig(**{**base, **settings}))
-    with pytest.raises(ValueError, match="cannot be written as jamba") as error:
-        model.save_pretrained(tmp_path / "out", format="jamba")
-    assert complaint in str(error.value)
-    assert not (tmp_path / "out").exists()
+    assert complaint in export_refusal(model, tmp_path, "jamba")

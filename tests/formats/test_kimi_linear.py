@@ -1,50 +1,28 @@
 """Kimi Linear checkpoints: Kimi Delta Attention and MLA layers (3:1), a dense first MLP then DeepSeek-V3 MoEs
 with shared experts; loaded exactly."""
 
-import copy
-
 import pytest
 import transformers
 
-from .compare import (
-    check_continuation,
-    check_greedy,
-    check_left_padding,
-    check_logits,
-    random_ids,
-    save_and_load,
-    tiny_transformers_model,
-)
+from .compare import check_all, check_logits_and_greedy, checkpoint_fixture, save_and_load, tiny_model_maker
 
 VOCAB = 256
 
-
-def tiny_kimi_linear(**overrides) -> transformers.KimiLinearForCausalLM:
-    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, num_local_experts=4,
-                    num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16,
-                    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, linear_head_dim=8, linear_num_heads=2,
-                    layer_types=["linear_attention"] * 3 + ["full_attention"], routed_scaling_factor=1.7,
-                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return tiny_transformers_model(transformers.KimiLinearForCausalLM,
-                                   transformers.KimiLinearConfig(**{**settings, **overrides}))
-
-
-@pytest.fixture(scope="module")
-def kimi_linear(tmp_path_factory):
-    hf = tiny_kimi_linear()
-    return hf, save_and_load(hf, tmp_path_factory.mktemp("kimi_linear"))
+tiny_kimi_linear = tiny_model_maker(
+    transformers.KimiLinearForCausalLM, transformers.KimiLinearConfig, vocab_size=VOCAB, hidden_size=64,
+    intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+    num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, kv_lora_rank=16,
+    qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, linear_head_dim=8, linear_num_heads=2,
+    layer_types=["linear_attention"] * 3 + ["full_attention"], routed_scaling_factor=1.7, pad_token_id=0,
+    bos_token_id=1, eos_token_id=2)
+kimi_linear = checkpoint_fixture("kimi_linear", tiny_kimi_linear)
 
 
 def test_kimi_linear_runs_like_transformers(kimi_linear):
-    hf, ours = kimi_linear
+    hf, ours, _ = kimi_linear
     assert ours.config.layer_types == ["kda"] * 3 + ["mla"]
     assert ours.config.mlp_types == ["dense", "moe", "moe", "moe"] and ours.config.moe_router == "sigmoid"
-    ids = random_ids(VOCAB, 2, 21)
-    check_logits(hf, ours, ids)
-    check_greedy(hf, ours, ids[:1, :7])
-    check_left_padding(ours, VOCAB)
-    check_continuation(copy.deepcopy(ours).double(), ids, rel=1e-12)  # fp64: see docs/formats.md
+    check_all(hf, ours, VOCAB, length=21, float64_continuation=True)
 
 
 def test_low_rank_queries_and_the_checkpoints_layer_lists(tmp_path):
@@ -54,9 +32,7 @@ def test_low_rank_queries_and_the_checkpoints_layer_lists(tmp_path):
     hf = tiny_kimi_linear(q_lora_rank=12, layer_types=None, linear_attn_config=linear)
     ours = save_and_load(hf, tmp_path)
     assert ours.config.layer_types == ["kda", "mla", "kda", "mla"] and ours.config.deltanet_conv_size == 3
-    ids = random_ids(VOCAB, 2, 13)
-    check_logits(hf, ours, ids)
-    check_greedy(hf, ours, ids[:1, :7])
+    check_logits_and_greedy(hf, ours, VOCAB, 13)
 
 
 def test_memory_report_and_info_count_the_latent_per_token():

@@ -1,47 +1,25 @@
 """OLMo-Hybrid checkpoints: Gated DeltaNet layers (beta up to 2, separate projections and convs) with pre-norms,
 OLMo-3 attention layers with post-norms and q/k norms over all heads, with and without RoPE; loaded exactly."""
 
-import copy
-
 import pytest
 import transformers
 
-from .compare import (
-    check_continuation,
-    check_greedy,
-    check_left_padding,
-    check_logits,
-    random_ids,
-    save_and_load,
-    tiny_transformers_model,
-)
+from .compare import check_all, check_logits_and_greedy, checkpoint_fixture, save_and_load, tiny_model_maker
 
 VOCAB = 256
 
-
-def tiny_olmo_hybrid(**overrides) -> transformers.OlmoHybridForCausalLM:
-    settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-                    num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=4,
-                    linear_key_head_dim=8, linear_value_head_dim=12, pad_token_id=0, eos_token_id=1)
-    return tiny_transformers_model(transformers.OlmoHybridForCausalLM,
-                                   transformers.OlmoHybridConfig(**{**settings, **overrides}))
-
-
-@pytest.fixture(scope="module")
-def olmo_hybrid(tmp_path_factory):
-    hf = tiny_olmo_hybrid()
-    return hf, save_and_load(hf, tmp_path_factory.mktemp("olmo_hybrid"))
+tiny_olmo_hybrid = tiny_model_maker(
+    transformers.OlmoHybridForCausalLM, transformers.OlmoHybridConfig, vocab_size=VOCAB, hidden_size=64,
+    intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, pad_token_id=0, eos_token_id=1)
+olmo_hybrid = checkpoint_fixture("olmo_hybrid", tiny_olmo_hybrid)
 
 
 def test_olmo_hybrid_runs_like_transformers(olmo_hybrid):
-    hf, ours = olmo_hybrid
+    hf, ours, _ = olmo_hybrid
     assert ours.config.layer_types == ["gated_deltanet"] * 3 + ["attention"]
     assert ours.config.post_norm_layers == [3] and ours.config.deltanet_beta_scale == 2.0
-    ids = random_ids(VOCAB, 2, 21)
-    check_logits(hf, ours, ids)
-    check_greedy(hf, ours, ids[:1, :7])
-    check_left_padding(ours, VOCAB)
-    check_continuation(copy.deepcopy(ours).double(), ids, rel=1e-12)  # fp64: see docs/formats.md
+    check_all(hf, ours, VOCAB, length=21, float64_continuation=True)
 
 
 def test_without_rope_and_with_beta_below_one(tmp_path):
@@ -52,9 +30,7 @@ def test_without_rope_and_with_beta_below_one(tmp_path):
     ours = save_and_load(hf, tmp_path)
     assert ours.config.partial_rotary_factor == 0.0 and ours.config.deltanet_beta_scale == 1.0
     assert ours.config.post_norm_layers == [1, 3]
-    ids = random_ids(VOCAB, 2, 13)
-    check_logits(hf, ours, ids)
-    check_greedy(hf, ours, ids[:1, :7])
+    check_logits_and_greedy(hf, ours, VOCAB, 13)
 
 
 def test_bad_olmo_options_name_the_field():

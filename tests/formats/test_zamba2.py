@@ -2,7 +2,6 @@
 fed the hidden state concatenated with the embeddings, with per-application LoRA adapters and output projections;
 loaded exactly, each application keeping its own KV state."""
 
-import json
 import shutil
 
 import pytest
@@ -14,31 +13,23 @@ import hybridlm
 from .compare import (
     check_all,
     check_beam_search,
-    check_continuation,
     check_logits,
+    check_logits_and_continuation,
+    check_settings_refused,
+    checkpoint_fixture,
     random_ids,
     save_and_load,
-    tiny_transformers_model,
+    tiny_model_maker,
 )
 
 VOCAB = 256
 
-
-def tiny_zamba2(**overrides) -> transformers.Zamba2ForCausalLM:
-    settings = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=5,
-                    layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"], num_attention_heads=4,
-                    num_key_value_heads=4, intermediate_size=96, mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2,
-                    chunk_size=8, num_mem_blocks=2, use_shared_attention_adapter=True, adapter_rank=8,
-                    use_mem_rope=True)
-    config = transformers.Zamba2Config(**{**settings, **overrides})
-    return tiny_transformers_model(transformers.Zamba2ForCausalLM, config)
-
-
-@pytest.fixture(scope="module")
-def zamba2(tmp_path_factory):
-    hf = tiny_zamba2()
-    directory = tmp_path_factory.mktemp("zamba2")
-    return hf, save_and_load(hf, directory), directory
+tiny_zamba2 = tiny_model_maker(
+    transformers.Zamba2ForCausalLM, transformers.Zamba2Config, vocab_size=VOCAB, hidden_size=64, num_hidden_layers=5,
+    layers_block_type=["mamba", "hybrid", "mamba", "hybrid", "hybrid"], num_attention_heads=4, num_key_value_heads=4,
+    intermediate_size=96, mamba_d_state=16, n_mamba_heads=8, mamba_ngroups=2, chunk_size=8, num_mem_blocks=2,
+    use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True)
+zamba2 = checkpoint_fixture("zamba2", tiny_zamba2)
 
 
 def test_zamba2_runs_like_transformers(zamba2):
@@ -58,9 +49,7 @@ def test_untied_gqa_without_attention_adapters_or_rope(tmp_path):
     ours = save_and_load(hf, tmp_path)
     assert ours.config.num_shared_blocks == 3
     assert ours.config.partial_rotary_factor == 0.0 and ours.model.shared.sites[0].q_adapter is None
-    ids = random_ids(VOCAB, 2, 17)
-    check_logits(hf, ours, ids)
-    check_continuation(ours, ids)
+    check_logits_and_continuation(hf, ours, VOCAB, 17)
 
 
 def _repeat_shared_blocks(directory, target, change=None):
@@ -85,12 +74,8 @@ def test_repeated_shared_blocks(zamba2, tmp_path):
 
 def test_unsupported_settings_are_named(zamba2, tmp_path):
     _, _, directory = zamba2
-    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config.update(add_bias_linear=True, rms_norm_eps=1e-6)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"zamba2 checkpoint .*add_bias_linear=True.*rms_norm_eps=1e-06"):
-        hybridlm.HybridForCausalLM.from_pretrained(tmp_path)
+    check_settings_refused(directory, tmp_path, r"zamba2 checkpoint .*add_bias_linear=True.*rms_norm_eps=1e-06",
+                           add_bias_linear=True, rms_norm_eps=1e-6)
 
 
 def test_beam_search_reorders_zamba2_states(zamba2):
