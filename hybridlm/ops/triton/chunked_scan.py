@@ -21,8 +21,9 @@ swapped:
 
 The per-token dot products (``q.dq``, ``k.dk`` and the scale's gradient ``v.dv``) come out of ``chunk_scan``
 with its outputs (``dot_with``), and the scale's product ``dv * scale`` is its row scale. Plain torch between
-kernels: the sum of per-head ``dq, dk`` over the heads of a group (when a group has several heads), the chunk-end
-states ``dS . S`` (per chunk, not per token) and the ``[batch, time, heads]`` sums of the decay's gradient.
+kernels: the chunk-end states ``dS . S`` (per chunk, not per token) and the ``[batch, time, heads]`` sums of the
+decay's gradient. ``dq, dk`` (of keys and queries shared by a group of heads) are summed over the group's heads by
+``chunk_scan`` itself, with relaxed atomic adds: their last bits may vary from run to run on the GPU.
 Chunks never cross a sequence, so fixed-length batches and packed variable-length batches (one initial/final
 state per sequence) are the same code: a table of chunks, each a batch row and a time range.
 """
@@ -117,17 +118,22 @@ def chunk_scores(q, k, chunks: Chunks) -> torch.Tensor:
 
 
 def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, skip=None, skip_weight=None,
-               dtype=torch.float32, scores=None, scale=None, scale_rows=False, dot_with=None):
+               dtype=torch.float32, scores=None, scale=None, scale_rows=False, dot_with=None, out_groups=None):
     """Outputs ``[batch, time, heads, dim_v]`` in ``dtype``; ``states`` is ``[n_chunks, heads, dim_v, dim_k]``
     (any strides). ``skip [batch, time, heads, dim_v]`` times ``skip_weight [heads, dim_v]`` is added (fused).
     ``scores``: :func:`chunk_scores` of ``q, k`` (any strides: its transpose for ``k, q``), else computed here
     per head. ``scale [batch, time, heads]`` (fp32, contiguous) scales the rows of ``k, v`` (or with
     ``scale_rows``, of ``q``). With ``dot_with [batch, time, heads or groups, dim_v]`` returns ``(outputs,
     dots)``: ``dots [batch, time, heads]`` fp32, each output row before the row scale and the skip dotted with
-    ``dot_with``'s row (of the head's group)."""
+    ``dot_with``'s row (of the head's group). With ``out_groups`` below the head count, the outputs of the heads
+    of each group are summed (fp32, atomically): ``[batch, time, out_groups, dim_v]``."""
     batch, time, heads, dv = g_cum.shape[0], g_cum.shape[1], g_cum.shape[2], v.shape[3]
     dk = q.shape[3]
-    out = new_buffer((batch, time, heads, dv), v, dtype)
+    out_groups = out_groups or heads
+    if out_groups < heads:  # (zeros whether poisoned or not: added to)
+        out = torch.zeros((batch, time, out_groups, dv), device=v.device, dtype=torch.float32)
+    else:
+        out = new_buffer((batch, time, heads, dv), v, dtype)
     skip_args = (skip, skip_weight, *skip.stride(), *skip_weight.stride()) if skip is not None else (v, v, *(0,) * 6)
     score_args = (scores, *scores.stride()) if scores is not None else (v, *(0,) * 4)
     block_m, block_v = block(chunks.size, maximum=64), block(dv, maximum=64)
@@ -140,9 +146,10 @@ def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, sk
         q, k, v, states, g_cum, skip_args[0], skip_args[1], score_args[0], g_cum if scale is None else scale,
         dot_args[0], out, dot_args[1], chunks.table, chunks.count, time,
         *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), *skip_args[2:],
-        *score_args[1:], *dot_args[2:], dk, dv, REVERSE=reverse, HAS_SKIP=skip is not None,
+        *score_args[1:], *dot_args[2:], heads // out_groups, dk, dv, REVERSE=reverse, HAS_SKIP=skip is not None,
         HAS_SCORES=scores is not None, SCALE_ROWS=scale is not None and scale_rows,
         SCALE_COLS=scale is not None and not scale_rows, HAS_DOTS=dot_with is not None,
+        SUM_HEADS=out_groups < heads,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_V=block_v,
         DOT_DTYPE=dot_dtype(q, k, v), STATE_DOT_DTYPE=state_dot_dtype(q, k, v),
     )
@@ -161,13 +168,6 @@ def _chunk_end_gradient(d_after, entering, added, g_cum, chunks: Chunks) -> torc
     after = entering * torch.exp(total)[..., None, None] + added
     gradient = torch.where((end > start)[:, None], (d_after * after).sum((-2, -1)), 0.0)
     return torch.zeros_like(g_cum).index_put_((row, last), gradient, accumulate=True)
-
-
-def _per_group(x_heads: torch.Tensor, groups: int) -> torch.Tensor:
-    """Sum per-head gradients ``[batch, time, heads, dim]`` over the heads that share a group's slice (one head
-    per group: as they are)."""
-    batch, time, heads, dim = x_heads.shape
-    return x_heads if heads == groups else x_heads.view(batch, time, groups, heads // groups, dim).sum(3)
 
 
 class _ChunkedScan(torch.autograd.Function):
@@ -189,18 +189,18 @@ class _ChunkedScan(torch.autograd.Function):
         q, k, v, v_scale, g_cum, initial_state, skip, skip_weight = ctx.saved_tensors
         chunks = ctx.chunks
         dy = dy.float()
-        heads, groups = v.shape[2], q.shape[2]
-        grad_dtype = q.dtype if heads == groups else torch.float32  # else summed over a group's heads, in fp32
+        groups = q.shape[2]
         scale = None if v_scale is None else v_scale.float().contiguous()
         added = chunk_state(k, v, g_cum, chunks, scale=scale)
         entering, _ = state_passing(added, g_cum, initial_state, chunks)
         direct = chunk_state(q, dy, g_cum, chunks, reverse=True)
         d_after, d_initial = state_passing(direct, g_cum, d_final, chunks, reverse=True)
-        # q . dq and k . dk per token and head (the decay's gradient) come out of the kernels with dq and dk
-        dq, q_dq = chunk_scan(dy, v, k, entering.transpose(2, 3), g_cum, chunks, scale=scale, dtype=grad_dtype,
-                              dot_with=q)
+        # dq, dk summed over the heads of each group in the kernels, with q . dq and k . dk per token and head (the
+        # decay's gradient)
+        dq, q_dq = chunk_scan(dy, v, k, entering.transpose(2, 3), g_cum, chunks, scale=scale, dtype=q.dtype,
+                              dot_with=q, out_groups=groups)
         dk, k_dk = chunk_scan(v, dy, q, d_after.transpose(2, 3), g_cum, chunks, reverse=True, scale=scale,
-                              scale_rows=True, dtype=grad_dtype, dot_with=k)
+                              scale_rows=True, dtype=k.dtype, dot_with=k, out_groups=groups)
         # dv is the gradient of v * scale: dv * scale for v (the row scale), v . dv for the scale (the dots)
         dv = chunk_scan(k, q, dy, d_after, g_cum, chunks, reverse=True, dtype=v.dtype, scale=scale, scale_rows=True,
                         scores=chunk_scores(q, k, chunks).transpose(2, 3), dot_with=v if scale is not None else None)
@@ -209,7 +209,7 @@ class _ChunkedScan(torch.autograd.Function):
         d_cum += _chunk_end_gradient(d_after, entering, added, g_cum, chunks)
         d_log_decay = chunk_cumsum(d_cum, chunks, reverse=True)
         return (
-            _per_group(dq, groups).to(q.dtype), _per_group(dk, groups).to(k.dtype), dv,
+            dq.to(q.dtype), dk.to(k.dtype), dv,
             d_scale.to(v_scale.dtype) if d_scale is not None else None,
             d_log_decay.to(ctx.decay_dtype), d_initial.to(initial_state.dtype) if initial_state is not None else None,
             None, *_skip_gradients(dy, skip, skip_weight), None,

@@ -133,15 +133,16 @@ def _chunk_scores_kernel(
     tl.store(out, acc, mask=(offs_i[:, None] < L) & (offs_j[None, :] < L))
 
 
-@tuned((4, 2), (8, 2), (8, 3), key=["DK", "DV"])
+@tuned((4, 2), (8, 2), (8, 3), key=["DK", "DV"], reset_to_zero=["OUT"])  # OUT accumulated with SUM_HEADS
 @triton.jit
 def _chunk_scan_kernel(
     Q, K, V, S, G, X, W, P, T, R, OUT, DOTS, TABLE, n_chunks, time,
     sq_b, sq_t, sq_h, sq_d, q_ratio, sk_b, sk_t, sk_h, sk_d, k_ratio, sv_b, sv_t, sv_h, sv_d, v_ratio,
     ss_c, ss_h, ss_v, ss_k, sx_b, sx_t, sx_h, sx_d, sw_h, sw_d, sp_c, sp_g, sp_m, sp_n,
-    sr_b, sr_t, sr_h, sr_d, r_ratio, DK, DV,
+    sr_b, sr_t, sr_h, sr_d, r_ratio, out_ratio, DK, DV,
     REVERSE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_SCORES: tl.constexpr, SCALE_ROWS: tl.constexpr,
-    SCALE_COLS: tl.constexpr, HAS_DOTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SCALE_COLS: tl.constexpr, HAS_DOTS: tl.constexpr, SUM_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, DOT_DTYPE: tl.constexpr, STATE_DOT_DTYPE: tl.constexpr,
 ):
     """OUT[t] = sum_{s <= t in the chunk} (q[t].k[s]) decay(s -> t) v[t] + decay(start -> t) S[c] q[t].
@@ -156,7 +157,9 @@ def _chunk_scan_kernel(
     (SCALE_COLS: the term of s times T[s]), which is SSD's v = dt x in whichever role v plays. With HAS_DOTS
     the row products OUT[t] . R[t] before the row scale and the skip (R like OUT, head h reading R's slice
     h // r_ratio) are stored, summed over this value block, in DOTS [batch, time, head, value block] fp32: the
-    backward's per-token sums (q . dq, k . dk, x . dv) without another pass over its fp32 gradients.
+    backward's per-token sums (q . dq, k . dk, x . dv) without another pass over its fp32 gradients. With
+    SUM_HEADS, OUT is [batch, time, head // out_ratio, DV] fp32, zeroed, and the heads sharing a slice add their
+    outputs to it atomically (the backward's dq, dk of keys and queries shared by a group of heads).
     """
     c, mb, pid = program_id64(0), tl.program_id(1), tl.program_id(2)
     n_vb = cdiv(DV, BLOCK_V)
@@ -237,5 +240,9 @@ def _chunk_scan_kernel(
     if HAS_SKIP:
         x = tl.load(X + row * sx_b + offs_m[:, None] * sx_t + h * sx_h + offs_v[None, :] * sx_d, mask=mask, other=0.0)
         acc += x.to(tl.float32) * tl.load(W + h * sw_h + offs_v * sw_d, mask=mask_v, other=0.0).to(tl.float32)[None, :]
-    out = OUT + ((row * time + offs_m[:, None]) * n_heads + h) * DV + offs_v[None, :]
-    tl.store(out, acc, mask=mask)
+    n_out = n_heads // out_ratio
+    out = OUT + ((row * time + offs_m[:, None]) * n_out + h // out_ratio) * DV + offs_v[None, :]
+    if SUM_HEADS:  # relaxed: only the sum matters, not the order of the adds
+        tl.atomic_add(out, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(out, acc, mask=mask)
