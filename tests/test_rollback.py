@@ -11,6 +11,7 @@ from hybridlm.kv.latent import LatentKV
 from hybridlm.kv.layouts import _WindowKV
 from hybridlm.kv.paged import PagedKV
 from hybridlm.kv.quantize import QuantizedKV
+from hybridlm.kv.quantized_window import QuantizedSinkWindowKV
 from hybridlm.mixers.base import MIXERS
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_windows
 from hybridlm.ops.delta_rule import gated_delta_rule_ref, gated_delta_rule_states
@@ -34,6 +35,14 @@ def contents(state: LayerState) -> dict[str, torch.Tensor]:
     if isinstance(state, PagedKV):  # as the contiguous layout would hold them (pages are bookkeeping)
         keys, values = state._gather(state.seen)
         return {"keys": keys, "values": values, "padding": state.padding}
+    if isinstance(state, QuantizedSinkWindowKV):  # the sinks and what a later query sees (not the groups kept
+        pending = state._pending()                # past the window for a rollback)
+        old_keys, old_values = state.dequantized()
+        return {"sinks": torch.cat([state.sink_keys, state.sink_values], 2)[:, :, : 2 * state.held_sinks],
+                "old_keys": old_keys[:, :, pending:], "old_values": old_values[:, :, pending:],
+                "padding": state.padding, "keys": state.recent_keys[:, :, : state.recent],
+                "values": state.recent_values[:, :, : state.recent],
+                "counts": torch.tensor([state.held_sinks, state.evicted + pending, state._left(), state.recent])}
     if isinstance(state, QuantizedKV):
         old_keys, old_values = state.dequantized()
         return {"old_keys": old_keys, "old_values": old_values, "padding": state.padding,
@@ -192,22 +201,26 @@ def test_keep_checkpoints_spans_one_token_forwards_and_is_counted():
     assert cache.seen == 8
 
 
-LAYOUTS = {
-    "ring": (dict(sliding_window=4), None),
-    "sinks+window": ({}, CachePolicy(sink_tokens=2, window=4)),
-    "quantized": ({}, CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=6)),
-    "paged": ({}, CachePolicy(page_size=4)),
+LAYOUTS = {  # overrides, policy, prompt and block lengths
+    "ring": (dict(sliding_window=4), None, 7, 4),
+    "sinks+window": ({}, CachePolicy(sink_tokens=2, window=4), 7, 4),
+    "window": ({}, CachePolicy(window=4), 7, 4),
+    "quantized": ({}, CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2), 7, 8),
+    "quantized sinks+window": ({}, CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2, sink_tokens=2, window=8),
+                               11, 8),
+    "quantized window": ({}, CachePolicy(kv_bits=2, kv_group_size=2, kv_residual=1, window=6), 9, 6),
+    "paged": ({}, CachePolicy(page_size=4), 7, 4),
 }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kv_layouts_crop_to_any_token_of_a_block(layout):
-    """Window layouts put back the slots the block pushed out; paged KV gives back pages; quantized KV crops
-    within its full-precision tail (residual 6, groups of 4: 4 tokens quantized after 10 to 13 tokens, so 10
-    then a block of 3)."""
-    overrides, policy = LAYOUTS[layout]
+    """Window layouts put back the slots the block pushed out; paged KV gives back pages; quantized KV drops the
+    groups the block quantized and puts their tokens back in full precision (residual 2, groups of 4: 4 tokens
+    quantized after the prompt of 7, 12 after the block of 8); quantized sinks + window also keeps the groups the
+    block pushed out of the window (masked out) until the next forward."""
+    overrides, policy, warm, k = LAYOUTS[layout]
     model = tiny_model(layer_pattern="AMA", **overrides)
-    warm, k = (10, 3) if layout == "quantized" else (7, 4)
     mask = torch.tensor([[0] * 2 + [1] * (warm - 2), [1] * warm], dtype=torch.bool)
     check_rollback(model, random_ids(2, warm), random_ids(2, k, seed=1), random_ids(2, 3, seed=2), mask,
                    policy=policy)
@@ -215,7 +228,7 @@ def test_kv_layouts_crop_to_any_token_of_a_block(layout):
 
 @pytest.mark.parametrize("layout", ["ring", "sinks+window"])
 def test_window_layouts_keep_pushed_out_slots_across_one_token_forwards(layout):
-    overrides, policy = LAYOUTS[layout]
+    overrides, policy, *_ = LAYOUTS[layout]
     model = tiny_model(layer_pattern="A", **overrides)
     ids = random_ids(1, 14)
     cache = model.new_cache(1, policy=policy)
@@ -242,9 +255,9 @@ def test_layouts_that_cannot_roll_back_say_so():
     with pytest.raises(ValueError, match="H2O .* cannot roll back"):
         cache.crop(-1)
     quantized = model.new_cache(1, policy=CachePolicy(kv_bits=8, kv_group_size=4, kv_residual=2))
-    run(model, random_ids(1, 9), quantized)  # 4 quantized, 5 in full precision: 3 beyond the residual
-    quantized.crop(-3)
-    with pytest.raises(ValueError, match=r"only the last 0 token slots are beyond the 2 \(kv_residual\)"):
+    run(model, random_ids(1, 9), quantized)  # a prefill: 4 quantized, 5 in full precision, nothing kept
+    quantized.crop(-3)  # within the full-precision tail
+    with pytest.raises(ValueError, match="puts 4 quantized tokens back in full precision, and 0 were kept"):
         quantized.crop(-1)
 
 

@@ -23,8 +23,9 @@ class KVView:
     ``valid`` and ``pinned``: None or broadcastable to ``[batch, kv_heads, n]``; ``query_slots [time]``;
     ``query_positions [batch, time]``. ``in_order``: the keys are slots ``0..n-1``, so without padding or a
     window causality alone decides (SDPA's own causal path, or no mask for one query). ``attend(q, scale)``:
-    set by a layout that attends in place (the paged decode kernel); attention calls it instead of reading
-    ``keys`` and ``values`` (None then)."""
+    set by a layout that attends itself (the paged and quantized decode kernels, a verification block read as
+    decode steps: :mod:`hybridlm.kv.stepwise`); attention calls it instead of reading ``keys`` and ``values``
+    (None then, or kept for inspection)."""
 
     keys: torch.Tensor | None
     values: torch.Tensor | None

@@ -23,6 +23,7 @@ import torch
 from .. import rollback
 from ..states import LayerState, _tensor_nbytes
 from .base import DenseKV, KVView
+from .stepwise import is_verification_block, sink_query, stepwise_view
 
 
 def _zeros(batch, heads, slots, dim, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -255,7 +256,9 @@ class SinkWindowKV(_WindowKV):
             self.keys.index_copy_(2, self._index(new_slots[kept]), keys[:, :, kept])
             self.values.index_copy_(2, self._index(new_slots[kept]), values[:, :, kept])
             self.seen += time
-        return sink_window_view(self, raw_keys, view_values, slots, first, new_slots, rotate)
+        view = sink_window_view(self, raw_keys, view_values, slots, first, new_slots, rotate)
+        requery = sink_query(self, first, new_slots, rotate) if is_verification_block(first, time) else None
+        return view if requery is None else stepwise_view(view, sink_query=requery)  # see hybridlm.kv.stepwise
 
 
 def sink_window_view(state, raw_keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor, first: int,

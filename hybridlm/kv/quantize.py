@@ -23,9 +23,11 @@ from typing import ClassVar
 
 import torch
 
+from .. import rollback
 from ..states import _tensor_nbytes
 from .base import KVLayout, KVView
 from .quantized_attention import QuantizedHistory
+from .stepwise import is_verification_block, stepwise_view
 
 BITS = (2, 4, 8)
 
@@ -63,6 +65,20 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     return codes.to(scale.dtype) * scale + zero
 
 
+def roundtrip(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys, values [batch, heads, n, head_dim]`` (``n`` whole groups of tokens) quantized as KIVI quantizes
+    them and dequantized: what reading them from codes gives."""
+    batch, heads, n, dim = keys.shape
+    key_codes, key_scale, key_zero = quantize(keys.reshape(batch, heads, n // group, group, dim), bits, 3)
+    value_codes, value_scale, value_zero = quantize(values.reshape(batch, heads, n, dim // group, group), bits, 4)
+    return (dequantize(key_codes, key_scale, key_zero).view(batch, heads, n, dim),
+            dequantize(value_codes, value_scale, value_zero).view(batch, heads, n, dim))
+
+
+#: a key no query slot stops seeing
+_NEVER = torch.iinfo(torch.long).max
+
+
 def _grown(buffer: torch.Tensor, used: int, needed: int) -> torch.Tensor:
     """``buffer`` (dim 2 the token dim) with room for ``needed``, growing by half at least."""
     if needed <= buffer.shape[2]:
@@ -97,6 +113,11 @@ class QuantizedKV(KVLayout):
     quantized: int = 0
     recent: int = 0
     has_padding: bool = False
+    #: full-precision copies ``[batch, heads, kept, head_dim]`` of the last ``kept`` tokens that left the tail (the
+    #: tokens just before it), what :meth:`rewind` restores; kept as the window layouts keep their pushed-out slots
+    spilled_keys: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
+    spilled_values: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
+    spill_limit: int = dataclasses.field(default=0, kw_only=True)
     #: one-token decode steps attend straight from the codes (:mod:`.quantized_attention`); False: the
     #: reference path (dequantize the history, then attention), for tests and benchmarks
     fused_decode: ClassVar[bool] = True
@@ -153,20 +174,32 @@ class QuantizedKV(KVLayout):
         if rotate is not None:
             keys = rotate(keys, positions)
         self._count_padding(mask)
+        limit = self._begin_spill(time)
         self._append_recent(keys, values)
         slots = torch.arange(self.seen, device=keys.device)
         view = dict(slots=slots, valid=self._validity(slots), query_slots=slots[first:], query_positions=positions,
                     in_order=True)
         if time == 1 and self.quantized and self.fused_decode:
             history = self.history(view["valid"])
-            self._quantize_aged()  # after the history is taken: this step reads its own token in full precision
+            self._age(limit)  # after the history is taken: this step reads its own token in full precision
             return KVView(None, None, attend=history.attend, **view)
         view_keys, view_values = self.recent_keys[:, :, : self.recent], self.recent_values[:, :, : self.recent]
         if self.quantized:
             old_keys, old_values = self.dequantized()
             view_keys, view_values = torch.cat([old_keys, view_keys], 2), torch.cat([old_values, view_values], 2)
-        self._quantize_aged()  # after the view is taken: this forward reads its own tokens in full precision
-        return KVView(view_keys, view_values, **view)
+        copies, tail_start = self._step_copies(first, time), self._tail_start()
+        self._age(limit)  # after the view is taken: this forward reads its own tokens in full precision ...
+        if copies is None:
+            return KVView(view_keys, view_values, **view)
+        # ... unless it is a verification block: then each token reads what its own decode step would
+        copy_keys, copy_values, copy_slots = copies
+        all_slots = torch.cat([slots, copy_slots])
+        until = torch.where(slots < tail_start, _NEVER, self._quantized_from(slots))
+        visible_from = torch.cat([slots, self._quantized_from(copy_slots)])
+        visible_until = torch.cat([until, torch.full_like(copy_slots, _NEVER)])
+        view.update(slots=all_slots, valid=self._validity(all_slots), in_order=False)
+        return stepwise_view(KVView(torch.cat([view_keys, copy_keys], 2), torch.cat([view_values, copy_values], 2),
+                                    **view), visible_from, visible_until)
 
     def _append_recent(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``keys, values [batch, heads, time, head_dim]`` after the full-precision tail."""
@@ -186,22 +219,130 @@ class QuantizedKV(KVLayout):
                                 self.recent_keys[:, :, :r], self.recent_values[:, :, :r], valid, bits=self.bits,
                                 group=self.group)
 
+    # --- rollback: the tokens that left the full-precision tail, kept in full precision to be put back ----------
+
+    def _offset(self) -> int:
+        """Slots before the quantized storage (the sinks of a subclass)."""
+        return 0
+
+    def _left(self) -> int:
+        """Tokens (after the offset) that have left the full-precision tail."""
+        return self.quantized
+
+    def _tail_start(self) -> int:
+        """Absolute slot of the first full-precision tail token."""
+        return self._offset() + self._left()
+
+    def _canonical_left(self, seen: int) -> int:
+        """:meth:`_left` of a cache that has seen ``seen`` slots, however its forwards were split."""
+        return self.group * (max(0, seen - min(seen, self._offset()) - self.residual) // self.group)
+
+    def _quantized_from(self, slots: torch.Tensor) -> torch.Tensor:
+        """The first slot count at which each token ``slots [n]`` is held as codes (the query slot from which a
+        decode step reads it dequantized)."""
+        offset = self._offset()
+        return offset + self.residual + self.group * ((slots - offset) // self.group + 1)
+
+    def _step_copies(self, first: int, time: int):
+        """For a verification block: the dequantized copies ``(keys, values, slots)`` of the tail tokens that a
+        decode step inside the block would read as codes (they are quantized by then); None when none are."""
+        if not is_verification_block(first, time):
+            return None
+        count = self._canonical_left(first + time - 1) - self._left()
+        if count <= 0:
+            return None
+        keys, values = roundtrip(self.recent_keys[:, :, :count], self.recent_values[:, :, :count], self.bits,
+                                 self.group)
+        start = self._tail_start()
+        return keys, values, torch.arange(start, start + count, device=keys.device)
+
+    def keep_checkpoints(self, tokens: int) -> None:
+        self.spill_limit, self.spilled_keys, self.spilled_values = tokens, None, None
+
+    def _begin_spill(self, time: int) -> int:
+        """Before a forward of ``time`` tokens: how many token slots it must stay able to undo (the
+        ``keep_checkpoints`` limit, or a verification block's own length, or 0), and an empty spill if the
+        last forward's is not kept."""
+        limit = self.spill_limit or (time if is_verification_block(self.seen, time) else 0)
+        if not limit:
+            self.spilled_keys = self.spilled_values = None
+        elif self.spilled_keys is None or not self.spill_limit:
+            self.spilled_keys = self.recent_keys[:, :, :0]
+            self.spilled_values = self.recent_values[:, :, :0]
+        return limit
+
+    def _spill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Keep ``keys, values [batch, heads, n, head_dim]``, the tokens now leaving the tail (while spilling)."""
+        if self.spilled_keys is not None:
+            self.spilled_keys = torch.cat([self.spilled_keys, keys], 2)
+            self.spilled_values = torch.cat([self.spilled_values, values], 2)
+
+    def _age(self, limit: int) -> None:
+        """After a forward's view is taken: quantize what aged, keep what undoing ``limit`` slots needs."""
+        self._quantize_aged()
+        self._trim_spill(limit)
+
+    def _trim_spill(self, limit: int) -> None:
+        if self.spilled_keys is not None:
+            keep = self._left() - self._canonical_left(max(0, self.seen - limit))
+            self.spilled_keys = self.spilled_keys[:, :, self.spilled_keys.shape[2] - keep :]
+            self.spilled_values = self.spilled_values[:, :, self.spilled_values.shape[2] - keep :]
+
+    def _kept(self) -> int:
+        return 0 if self.spilled_keys is None else self.spilled_keys.shape[2]
+
+    def _codes_nbytes(self, tokens: int) -> int:
+        """Bytes of the codes, scales and zero points of the oldest ``tokens`` quantized tokens (whole groups)."""
+        blocks = tokens // self.group
+        held = [self.key_codes[:, :, :tokens], self.value_codes[:, :, :tokens], self.key_scale[:, :, :blocks],
+                self.key_zero[:, :, :blocks], self.value_scale[:, :, :tokens], self.value_zero[:, :, :tokens]]
+        return sum(_tensor_nbytes(t) for t in held)
+
+    def reserved_nbytes(self) -> int:
+        spill = [t for t in (self.spilled_keys, self.spilled_values) if t is not None]
+        return self.nbytes() + sum(_tensor_nbytes(t) for t in spill)
+
     croppable = True
 
     def rewind_blocker(self, tokens: int) -> str | None:
-        """Only full-precision tokens can be dropped exactly, and only while the quantized count stays what a
-        forward that stopped there would have: ``residual`` full-precision tokens must remain once any are
-        quantized."""
-        removable = self.recent - self.residual if self.quantized else self.recent
-        if tokens <= removable:
+        """Dropping full-precision tail tokens is exact; groups quantized since the crop point are dropped too and
+        their tokens put back in full precision from the spill (a group quantized from tokens that are then
+        dropped must not stay), so the spill must reach back that far."""
+        needed = self._left() - self._canonical_left(self.seen - tokens)
+        if needed <= self._kept():
             return None
-        return (f"that is before its earliest kept checkpoint: only the last {removable} token slots are beyond "
-                f"the {self.residual} (kv_residual) kept in full precision after {self.quantized} quantized ones")
+        return (f"that is before its earliest kept checkpoint: undoing {tokens} token slots puts {needed} quantized "
+                f"tokens back in full precision, and {self._kept()} were kept (a forward of 2 to "
+                f"{rollback.AUTO_CHECKPOINT_TOKENS} tokens on a warm cache keeps those it quantizes until the next "
+                "forward; HybridCache.keep_checkpoints(n) keeps them across forwards)")
 
     def rewind(self, tokens: int) -> None:
-        self.recent -= tokens
+        """Forget the last ``tokens`` slots: the codes of every group a cache that stopped there would not have
+        quantized yet go, their tokens come back from the spill to the front of the tail."""
+        seen = self.seen - tokens
+        left = self._canonical_left(seen)
+        back = self._left() - left  # tokens (whole groups) put back into the tail
+        tail = seen - self._offset_after(seen) - left
+        kept = self._kept()
+        if back:  # the tail becomes tokens [left, seen): the put-back ones, then what is left of the old tail
+            self.recent_keys = torch.cat([self.spilled_keys[:, :, kept - back:],
+                                          self.recent_keys[:, :, : self.recent]], 2)[:, :, :tail]
+            self.recent_values = torch.cat([self.spilled_values[:, :, kept - back:],
+                                            self.recent_values[:, :, : self.recent]], 2)[:, :, :tail]
+            self.spilled_keys = self.spilled_keys[:, :, : kept - back]
+            self.spilled_values = self.spilled_values[:, :, : kept - back]
+            self.quantized -= back
+        self.recent = tail
+        self._rewind_offset(seen)
         if self.has_padding:
             self.padding = self.padding.clamp(max=self.seen)
+
+    def _offset_after(self, seen: int) -> int:
+        """Slots before the quantized storage once ``seen`` slots are held."""
+        return 0
+
+    def _rewind_offset(self, seen: int) -> None:
+        """Forget the slots before the quantized storage beyond ``seen``."""
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[batch, heads, quantized, head_dim]`` of the quantized tokens."""
@@ -221,6 +362,7 @@ class QuantizedKV(KVLayout):
         batch, heads, _, dim = self.recent_keys.shape
         q, blocks, group = self.quantized, self.quantized // self.group, self.group
         keys, values = self.recent_keys[:, :, :aged], self.recent_values[:, :, :aged]
+        self._spill(keys, values)
         key_codes, key_scale, key_zero = quantize(keys.reshape(batch, heads, aged // group, group, dim), self.bits, 3)
         value_codes, value_scale, value_zero = quantize(values.reshape(batch, heads, aged, dim // group, group),
                                                         self.bits, 4)

@@ -38,10 +38,12 @@ import dataclasses
 
 import torch
 
+from .. import rollback
 from ..states import _tensor_nbytes
 from .base import KVView
 from .layouts import sink_window_view
-from .quantize import QuantizedKV
+from .quantize import _NEVER, QuantizedKV
+from .stepwise import is_verification_block, sink_query, stepwise_view
 
 
 @dataclasses.dataclass
@@ -73,8 +75,17 @@ class QuantizedSinkWindowKV(QuantizedKV):
         return self.held_sinks + self.evicted + self.quantized + self.recent
 
     def nbytes(self) -> int:
+        """Bytes of what a cache that stopped here holds (groups kept past the window only for a rollback, see
+        :meth:`_evict`, count in ``reserved_nbytes``)."""
         sinks = [self.sink_keys[:, :, : self.held_sinks], self.sink_values[:, :, : self.held_sinks]]
-        return super().nbytes() + sum(_tensor_nbytes(t) for t in sinks)
+        return super().nbytes() + sum(_tensor_nbytes(t) for t in sinks) - self._codes_nbytes(self._pending())
+
+    def reserved_nbytes(self) -> int:
+        return super().reserved_nbytes() + self._codes_nbytes(self._pending())
+
+    def _pending(self) -> int:
+        """Quantized tokens no later query sees, held until a rollback can no longer need them."""
+        return self._evicted_after(self.seen, self._left()) - self.evicted
 
     def predicted_nbytes(self, tokens: int) -> int:
         sinks = min(tokens, self.sinks)
@@ -90,6 +101,7 @@ class QuantizedSinkWindowKV(QuantizedKV):
     def update(self, keys, values, positions, rotate, mask) -> KVView:
         first, time, device = self.seen, keys.shape[2], keys.device
         self._count_padding(mask)
+        limit = self._begin_spill(time)
         to_sinks = min(time, self.sinks - self.held_sinks)
         if to_sinks:
             self.sink_keys[:, :, self.held_sinks : self.held_sinks + to_sinks] = keys[:, :, :to_sinks]
@@ -107,29 +119,67 @@ class QuantizedSinkWindowKV(QuantizedKV):
         parts_v.append(self.recent_values[:, :, : self.recent])
         slots = torch.cat([torch.arange(self.held_sinks, device=device),
                            torch.arange(self.sinks + self.evicted, max(self.seen, self.sinks), device=device)])
-        view = sink_window_view(self, torch.cat(parts_k, 2), torch.cat(parts_v, 2), slots, first,
-                                torch.arange(first, first + time, device=device), rotate)
-        self._quantize_aged()  # after the view is taken: this forward reads its own tokens in full precision
-        self._evict()
-        return view
+        copies, tail_start = self._step_copies(first, time), self._tail_start()
+        held = slots
+        if copies is not None:  # a verification block: see QuantizedKV.update
+            parts_k.append(copies[0])
+            parts_v.append(copies[1])
+            slots = torch.cat([slots, copies[2]])
+        new_slots = torch.arange(first, first + time, device=device)
+        view = sink_window_view(self, torch.cat(parts_k, 2), torch.cat(parts_v, 2), slots, first, new_slots, rotate)
+        self._age(limit)  # after the view is taken: this forward reads its own tokens in full precision
+        if not is_verification_block(first, time):
+            return view
+        requery = sink_query(self, first, new_slots, rotate)
+        if copies is None and requery is None:
+            return view
+        visible_from, visible_until = slots, torch.full_like(slots, _NEVER)
+        if copies is not None:
+            tail = held >= tail_start
+            visible_from = torch.cat([held, self._quantized_from(copies[2])])
+            visible_until[: held.shape[0]][tail] = self._quantized_from(held[tail])
+        return stepwise_view(view, visible_from, visible_until, requery)
 
-    def _quantize_aged(self) -> None:
-        """QuantizedKV's ageing, except that aged groups of the tail that no later query sees leave without being
-        quantized (when no quantized group is older; with ``residual`` near ``window`` every aged group does)."""
+    def _offset(self) -> int:
+        return self.sinks
+
+    def _left(self) -> int:
+        return self.evicted + self.quantized
+
+    def _offset_after(self, seen: int) -> int:
+        return min(seen, self.sinks)
+
+    def _rewind_offset(self, seen: int) -> None:
+        self.held_sinks = min(self.held_sinks, seen)
+
+    def _age(self, limit: int) -> None:
+        """QuantizedKV's ageing, then eviction; both leave what undoing ``limit`` slots needs (groups a query
+        after such a rollback would see again stay, masked out by the window until then)."""
+        horizon = max(0, self.seen - limit)
+        self._drop_unseen(horizon)
+        self._quantize_aged()
+        self._evict(horizon)
+        self._trim_spill(limit)
+
+    def _drop_unseen(self, horizon: int) -> None:
+        """Before QuantizedKV's ageing: aged groups of the tail that no query from slot ``horizon`` on sees leave
+        without being quantized (when no quantized group is older; with ``residual`` near ``window`` every aged
+        group does)."""
         if not self.quantized:
+            visible_from = horizon - self.window + 1
             aged = max(0, self.recent - self.residual) // self.group
-            unseen = max(0, self.seen - self.window + 1 - self.sinks - self.evicted) // self.group
+            unseen = max(0, visible_from - self.sinks - self.evicted) // self.group
             drop = self.group * min(aged, unseen)
             if drop:  # the view handed out is a copy (torch.cat), so the tail may change under it
+                self._spill(self.recent_keys[:, :, :drop], self.recent_values[:, :, :drop])
                 self.recent_keys, self.recent_values = self.recent_keys[:, :, drop:], self.recent_values[:, :, drop:]
                 self.recent -= drop
                 self.evicted += drop
-        super()._quantize_aged()
 
-    def _evict(self) -> None:
-        """Drop the oldest quantized groups that no later query sees."""
-        tokens = self._evicted_after(self.seen, self.evicted + self.quantized) - self.evicted
-        if not tokens:
+    def _evict(self, horizon: int) -> None:
+        """Drop the oldest quantized groups that no query from slot ``horizon`` on sees."""
+        tokens = self._evicted_after(horizon, self._left()) - self.evicted
+        if tokens <= 0:
             return
         blocks = tokens // self.group
         for name in ("key_codes", "value_codes", "value_scale", "value_zero"):
@@ -139,23 +189,12 @@ class QuantizedSinkWindowKV(QuantizedKV):
         self.evicted += tokens
 
     def rewind_blocker(self, tokens: int) -> str | None:
-        """As QuantizedKV: only full-precision tokens beyond the ``residual`` kept once any were quantized; and
+        """As QuantizedKV (groups quantized since the crop point go back to full precision from the spill), and
         no group evicted that a query after the rollback would see (so the state is what a forward that stopped
         there leaves)."""
-        aged = self.quantized or self.evicted
-        removable = self.recent - self.residual if aged else self.recent + self.held_sinks
-        if tokens > removable:
-            return (f"that is before its earliest kept checkpoint: only the last {removable} token slots are "
-                    f"beyond the {self.residual} (kv_residual) kept in full precision after "
-                    f"{self.quantized + self.evicted} quantized ones")
-        if self._evicted_after(self.seen - tokens, self.quantized + self.evicted) < self.evicted:
+        if self._evicted_after(self.seen - tokens, self._left()) < self.evicted:
             return (f"a query after it would see token slots that already left the window (window={self.window}, "
-                    f"evicted in groups of {self.group})")
-        return None
-
-    def rewind(self, tokens: int) -> None:
-        from_tail = min(tokens, self.recent)
-        self.recent -= from_tail
-        self.held_sinks -= tokens - from_tail
-        if self.has_padding:
-            self.padding = self.padding.clamp(max=self.seen)
+                    f"evicted in groups of {self.group}; a forward of 2 to {rollback.AUTO_CHECKPOINT_TOKENS} tokens "
+                    "on a warm cache keeps them until the next forward, HybridCache.keep_checkpoints(n) across "
+                    "forwards)")
+        return super().rewind_blocker(tokens)

@@ -116,9 +116,18 @@ def check_held_window(chunks, bits, sinks, residual) -> int:
         _, body_start, quantized = held_before  # the view reads the codes held before; new tokens age after it
         held_sinks = min(seen, sinks)
         expected_slots = list(range(held_sinks)) + list(range(body_start, seen))
-        assert view.slots.tolist() == expected_slots
+        # a verification block (2 to 64 tokens on a warm cache) adds dequantized copies of the tail tokens that a
+        # decode step inside it reads as codes (hybridlm.kv.stepwise)
+        read_as_codes = sinks + group * (max(0, seen - 1 - sinks - min(residual, window - 1)) // group)
+        copies = list(range(body_start + quantized, read_as_codes)) if first and time > 1 else []
+        assert view.slots.tolist() == expected_slots + copies
         assert body_start <= max(sinks, first - window + 1)  # the first new token sees its whole window
-        ref_keys, ref_values = keys[:, :, expected_slots].clone(), values[:, :, expected_slots].clone()
+        ref_keys, ref_values = (x[:, :, expected_slots + copies].clone() for x in (keys, values))
+        if copies:
+            part = slice(len(expected_slots), None)
+            for h in range(heads):
+                ref_keys[0, h, part] = reference_dequantized(keys[0, h, copies], bits, group, 0)[0]
+                ref_values[0, h, part] = reference_dequantized(values[0, h, copies], bits, group, 1)[0]
         if quantized:
             part = slice(held_sinks, held_sinks + quantized)
             for h in range(heads):
@@ -154,30 +163,59 @@ def test_decoding_three_windows_stays_finite_and_the_error_shrinks_with_more_bit
     assert errors[8] < 1e-2, errors
 
 
-def test_crop_within_the_residual_equals_a_cache_that_stopped_there_and_beyond_it_is_refused():
+def held(state) -> dict:
+    """What a cache that stopped here holds: the counts, sinks, tail and dequantized codes of every group a later
+    query can see (groups kept past the window only for a rollback left out)."""
+    pending = state._pending()
+    keys, values = state.dequantized()
+    return {"sinks": state.sink_keys[:, :, :state.held_sinks], "tail": state.recent_keys[:, :, :state.recent],
+            "codes": torch.cat([keys[:, :, pending:], values[:, :, pending:]], 2),
+            "counts": torch.tensor([state.held_sinks, state.evicted + pending, state._left(), state.recent])}
+
+
+def decode_keeping(model, ids, policy, prefill, keep):
+    """As :func:`decode` (the cache only), with ``keep_checkpoints(keep)`` after the prefill."""
+    cache = model.new_cache(ids.shape[0], policy=policy)
+    model(ids[:, :prefill], cache=cache)
+    cache.keep_checkpoints(keep)
+    for t in range(prefill, ids.shape[1]):
+        model(ids[:, t:t + 1], cache=cache)
+    return cache
+
+
+def test_crop_equals_a_cache_that_stopped_there_and_without_kept_tokens_is_refused():
+    """Decoded one token at a time, nothing is kept: a crop that would need a group back in full precision
+    (quantized since) or a group back in the window is refused, naming which. With ``keep_checkpoints(5)`` every
+    crop of up to 5 slots equals a cache that stopped there."""
     model = tiny_model(layer_pattern="A")
     ids = random_ids(1, 40)
     policy = CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2, sink_tokens=2, window=8)
-    refusals = set()
+    refusals, put_back = set(), 0
     with torch.no_grad():
-        for stop in range(26, 34):
-            _, cache = decode(model, ids[:, :stop], policy, prefill=4)
-            state = quantized_state(cache)
-            for back in range(1, 6):
-                reason = state.rewind_blocker(back)
-                if reason is not None:
-                    refusals.add("kv_residual" if "kv_residual" in reason else "window")
-                    with pytest.raises(ValueError, match="cannot remove"):
-                        cache.crop(stop - back)
-                    continue
-                _, fresh = decode(model, ids[:, :stop - back], policy, prefill=4)
-                cache.crop(stop - back)
-                assert state.nbytes() == state.predicted_nbytes(stop - back) == quantized_state(fresh).nbytes()
-                got = model(ids[:, stop - back:stop], cache=cache).logits
-                expected = model(ids[:, stop - back:stop], cache=fresh).logits
-                assert_close_rel(got, expected)
-                break
-    assert refusals == {"kv_residual", "window"}
+        for keep in (0, 5):
+            for stop in range(26, 34):
+                cache = decode_keeping(model, ids[:, :stop], policy, 4, keep)
+                state = quantized_state(cache)
+                for back in range(1, 6) if not keep else [stop % 5 + 1]:
+                    reason = state.rewind_blocker(back)
+                    if reason is not None:
+                        assert not keep, reason
+                        refusals.add("checkpoint" if "earliest kept checkpoint" in reason else "window")
+                        with pytest.raises(ValueError, match="cannot remove"):
+                            cache.crop(stop - back)
+                        continue
+                    fresh = decode_keeping(model, ids[:, :stop - back], policy, 4, keep)
+                    put_back += state._left() > quantized_state(fresh)._left()
+                    cache.crop(stop - back)
+                    assert state.nbytes() == state.predicted_nbytes(stop - back) == quantized_state(fresh).nbytes()
+                    assert held(state).keys() == held(quantized_state(fresh)).keys()
+                    for name, value in held(quantized_state(fresh)).items():
+                        assert torch.equal(held(state)[name], value), name
+                    got = model(ids[:, stop - back:stop], cache=cache).logits
+                    expected = model(ids[:, stop - back:stop], cache=fresh).logits
+                    assert_close_rel(got, expected)
+                    break
+    assert refusals == {"checkpoint", "window"} and put_back > 0
 
 
 def test_policy_selects_it_and_still_refuses_heavy_hitters_and_pages():
