@@ -2,7 +2,8 @@
 instead of per-head keys and values.
 
 Each token slot holds ``[normed KV latent (kv_lora_rank) | decoupled rotary key (rope_dim), rotated]``, shared by
-all heads; attention expands it to keys and values with its own up-projection. Per batch row, ``n`` tokens
+all heads; attention either expands it to keys and values with its own up-projection or attends over it as it
+is (the up-projection absorbed into queries and outputs: decode never expands it). Per batch row, ``n`` tokens
 seen, ``e`` the element size: ``(kv_lora_rank + rope_dim) * n * e + 8`` bytes (Kimi Linear / DeepSeek-V3: 576
 elements per token per layer, against ``2 * heads * head_dim`` for plain attention).
 """
