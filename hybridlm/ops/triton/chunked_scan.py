@@ -19,11 +19,12 @@ swapped:
 * ``dg``: the gradient of the cumulative decay, ``q.dq - k.dk`` (plus ``dS . S`` at each chunk's last token),
   summed in reverse by ``chunk_cumsum`` (reversed).
 
-The per-token dot products (``q.dq``, ``k.dk`` and the scale's gradient ``v.dv``) come out of ``chunk_scan``
-with its outputs (``dot_with``), and the scale's product ``dv * scale`` is its row scale. Plain torch between
-kernels: the chunk-end states ``dS . S`` (per chunk, not per token) and the ``[batch, time, heads]`` sums of the
-decay's gradient. ``dq, dk`` (of keys and queries shared by a group of heads) are summed over the group's heads by
-``chunk_scan`` itself, with relaxed atomic adds: their last bits may vary from run to run on the GPU.
+Fused into those kernels: the per-token dot products ``q.dq``, ``k.dk`` and the scale's gradient ``v.dv`` come
+out of ``chunk_scan`` with its outputs (``dot_with``); the scale's product ``dv * scale`` is its row scale;
+``dq, dk`` of keys and queries shared by a group of heads are summed over the group's heads by ``chunk_scan``
+itself (relaxed atomic adds: their last bits may vary from run to run on the GPU); ``dS . S`` at each chunk's
+end comes out of ``state_passing`` (reversed), per block of the state. Plain torch between kernels: sums and
+differences of ``[batch, time, heads]`` and ``[n_chunks, heads]`` tensors.
 Chunks never cross a sequence, so fixed-length batches and packed variable-length batches (one initial/final
 state per sequence) are the same code: a table of chunks, each a batch row and a time range.
 """
@@ -80,19 +81,26 @@ def chunk_state(k, v, g_cum, chunks: Chunks, reverse: bool = False, scale=None) 
     return out
 
 
-def state_passing(added, g_cum, initial, chunks: Chunks, reverse: bool = False):
-    """States entering each chunk ``[n_chunks, heads, dim_v, dim_k]`` and after each sequence ``[n_seqs, ...]``."""
+def state_passing(added, g_cum, initial, chunks: Chunks, reverse: bool = False, forward_states=None):
+    """States entering each chunk ``[n_chunks, heads, dim_v, dim_k]`` and after each sequence ``[n_seqs, ...]``.
+
+    ``forward_states``: the forward pass's ``(entering, added)`` when this (reversed) pass carries their gradient;
+    then also returns ``[n_chunks, heads]``, the carried gradient at each chunk's end dotted with the forward
+    state there (0 for a spare chunk)."""
     heads, size = added.shape[1], added.shape[2] * added.shape[3]
     entering = new_buffer(added.shape, added)
     final = new_buffer((chunks.n_seqs, *added.shape[1:]), added)
     block_size = block(size, maximum=1024)
+    n_blocks = triton.cdiv(size, block_size)
+    end_dots = None if forward_states is None else torch.zeros(n_blocks, chunks.count, heads, device=added.device)
     launch(
-        _state_passing_kernel, (chunks.n_seqs, heads, triton.cdiv(size, block_size)),
+        _state_passing_kernel, (chunks.n_seqs, heads, n_blocks),
         added, g_cum, initial.contiguous() if initial is not None else added, entering, final,
-        chunks.table, chunks.seqs, chunks.count, chunks.n_seqs, g_cum.shape[1], size,
-        HAS_INIT=initial is not None, REVERSE=reverse, BLOCK=block_size,
+        chunks.table, chunks.seqs, *(forward_states or (added, added)), added if end_dots is None else end_dots,
+        chunks.count, chunks.n_seqs, g_cum.shape[1], size,
+        HAS_INIT=initial is not None, REVERSE=reverse, HAS_END_DOTS=end_dots is not None, BLOCK=block_size,
     )
-    return entering, final
+    return (entering, final) if end_dots is None else (entering, final, end_dots.sum(0))
 
 
 def _score_blocks(size: int, dk: int, *tensors: torch.Tensor) -> tuple[int, int]:
@@ -159,15 +167,11 @@ def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, sk
 # --- autograd ---------------------------------------------------------------------------------------------
 
 
-def _chunk_end_gradient(d_after, entering, added, g_cum, chunks: Chunks) -> torch.Tensor:
-    """``dS . S`` at each chunk's end (the gradient of the chunk's total log decay), scattered to its last token.
-    Spare (empty) chunks, whose states no kernel wrote, add zero."""
-    row, start, end = chunks.table[0].long(), chunks.table[1].long(), chunks.table[2].long()
-    last = (end - 1).clamp_min(0)
-    total = g_cum[row, last]  # [n_chunks, heads]
-    after = entering * torch.exp(total)[..., None, None] + added
-    gradient = torch.where((end > start)[:, None], (d_after * after).sum((-2, -1)), 0.0)
-    return torch.zeros_like(g_cum).index_put_((row, last), gradient, accumulate=True)
+def _at_chunk_ends(per_chunk: torch.Tensor, g_cum: torch.Tensor, chunks: Chunks) -> torch.Tensor:
+    """``per_chunk [n_chunks, heads]`` placed at each chunk's last token of a ``g_cum``-shaped zero tensor (a spare,
+    empty chunk adds its zero at the last token)."""
+    row, end = chunks.table[0].long(), chunks.table[2].long()
+    return torch.zeros_like(g_cum).index_put_((row, (end - 1).clamp_min(0)), per_chunk, accumulate=True)
 
 
 class _ChunkedScan(torch.autograd.Function):
@@ -194,7 +198,9 @@ class _ChunkedScan(torch.autograd.Function):
         added = chunk_state(k, v, g_cum, chunks, scale=scale)
         entering, _ = state_passing(added, g_cum, initial_state, chunks)
         direct = chunk_state(q, dy, g_cum, chunks, reverse=True)
-        d_after, d_initial = state_passing(direct, g_cum, d_final, chunks, reverse=True)
+        # with dS . S at each chunk's end (the gradient of the chunk's total log decay)
+        d_after, d_initial, end_dots = state_passing(direct, g_cum, d_final, chunks, reverse=True,
+                                                     forward_states=(entering, added))
         # dq, dk summed over the heads of each group in the kernels, with q . dq and k . dk per token and head (the
         # decay's gradient)
         dq, q_dq = chunk_scan(dy, v, k, entering.transpose(2, 3), g_cum, chunks, scale=scale, dtype=q.dtype,
@@ -206,7 +212,7 @@ class _ChunkedScan(torch.autograd.Function):
                         scores=chunk_scores(q, k, chunks).transpose(2, 3), dot_with=v if scale is not None else None)
         dv, d_scale = dv if scale is not None else (dv, None)
         d_cum = q_dq - (k_dk if scale is None else k_dk * scale)  # k_dk was taken before dk's row scale
-        d_cum += _chunk_end_gradient(d_after, entering, added, g_cum, chunks)
+        d_cum += _at_chunk_ends(end_dots, g_cum, chunks)
         d_log_decay = chunk_cumsum(d_cum, chunks, reverse=True)
         return (
             dq.to(q.dtype), dk.to(k.dtype), dv,

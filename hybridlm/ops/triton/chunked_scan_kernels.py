@@ -71,11 +71,15 @@ def _chunk_state_kernel(
 
 @triton.jit
 def _state_passing_kernel(
-    ADDED, G, INIT, OUT, FINAL, TABLE, SEQS, n_chunks, n_seqs, time, SIZE,
-    HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr,
+    ADDED, G, INIT, OUT, FINAL, TABLE, SEQS, FWD_ENTERING, FWD_ADDED, END_DOTS, n_chunks, n_seqs, time, SIZE,
+    HAS_INIT: tl.constexpr, REVERSE: tl.constexpr, HAS_END_DOTS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Carry the state through the chunks of sequence s: OUT[c] is the state entering chunk c (in scan order),
-    then state = exp(total decay of c) * state + ADDED[c]; FINAL[s] is the state after the last chunk."""
+    then state = exp(total decay of c) * state + ADDED[c]; FINAL[s] is the state after the last chunk.
+
+    With HAS_END_DOTS (the backward's reversed pass, carrying dS): END_DOTS[block, c, h] = OUT[c] . (the forward
+    state after chunk c, FWD_ENTERING[c] * exp(total decay of c) + FWD_ADDED[c]) over this program's block of the
+    state, the gradient of chunk c's total log decay."""
     s, h, pb = program_id64(0), program_id64(1), tl.program_id(2)
     n_heads = tl.num_programs(1)
     offs = pb * BLOCK + tl.arange(0, BLOCK)
@@ -95,6 +99,10 @@ def _state_passing_kernel(
         row = tl.load(TABLE + c).to(tl.int64)
         end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
         decay = tl.exp(tl.load(G + (row * time + end - 1) * n_heads + h))
+        if HAS_END_DOTS:
+            after = tl.load(FWD_ENTERING + (c * n_heads + h) * SIZE + offs, mask=mask, other=0.0) * decay
+            after += tl.load(FWD_ADDED + (c * n_heads + h) * SIZE + offs, mask=mask, other=0.0)
+            tl.store(END_DOTS + (pb * n_chunks + c) * n_heads + h, total(state * after, 0))
         state = decay * state + tl.load(ADDED + (c * n_heads + h) * SIZE + offs, mask=mask, other=0.0)
     tl.store(FINAL + (s * n_heads + h) * SIZE + offs, state, mask=mask)
 
