@@ -34,7 +34,6 @@ from . import (  # noqa: F401
 from .base import (
     FORMATS,
     CheckpointFormat,
-    check_expressible,
     check_state,
     detect,
     is_own,
@@ -46,6 +45,7 @@ from .base import (
     supported,
     undeclared_options,
 )
+from .mapping import check_expressible
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None):

@@ -4,23 +4,26 @@ by a SwiGLU MLP, in Jamba's ``model.layers`` layout. Read and written."""
 from __future__ import annotations
 
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .jamba import decoder_rules
+from .mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
-    CheckpointFormat,
     FieldMap,
-    StateDict,
     check_expressible,
+    check_mamba2_heads,
     differences,
+    head_dim_of,
+    other_positions,
     positions,
-    register,
-    rename_state,
+    renaming,
     require_settings,
+    rope_parameters,
     rope_settings,
     same_names,
+    unsupported_kinds,
     with_transformers_defaults,
 )
-from .jamba import decoder_rules
 
 #: Mamba-2 settings as Bamba names them (Falcon-H1 and Granite-4.0-H inherit the names).
 MAMBA2_FIELDS = {
@@ -47,27 +50,21 @@ def to_config(foreign_config: dict) -> HybridConfig:
         **rope_settings(fc, DEFAULT_PARTIAL_ROTARY_FACTOR),
         layer_types=["attention" if i in attention else "mamba2" for i in range(n)],
         mlp_types=["dense"] * n,
-        head_dim=fc.get("head_dim") or fc["hidden_size"] // fc["num_attention_heads"],
+        head_dim=head_dim_of(fc),
         mamba2_dt_limit=fc.get("time_step_limit"),  # None means no limit
     )
-    if config.mamba2_num_heads != fc["mamba_n_heads"]:
-        raise ValueError(f"bamba config: mamba_n_heads={fc['mamba_n_heads']} but mamba_expand * hidden_size / "
-                         f"mamba_d_head = {config.mamba2_num_heads}")
+    check_mamba2_heads(config, fc, "mamba_n_heads", "mamba_expand * hidden_size / mamba_d_head", "bamba")
     return config
 
 
-def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
-    return rename_state(state, decoder_rules(config))
+import_weights, export_weights = renaming(decoder_rules)
 
 
 def from_config(config: HybridConfig) -> dict:
-    problems = []
-    other = sorted(set(config.layer_types) - {"mamba2", "attention"})
-    if other:
-        problems.append(f"Bamba layers are 'mamba2' or 'attention', this model has {other}")
+    problems = unsupported_kinds(config, ["mamba2", "attention"], "Bamba")
     if set(config.mlp_types) != {"dense"}:
-        problems.append(f"every Bamba layer has a dense MLP; layers "
-                        f"{[i for i, k in enumerate(config.mlp_types) if k != 'dense']} do not")
+        problems.append(f"every Bamba layer has a dense MLP; layers {other_positions(config.mlp_types, 'dense')} "
+                        "do not")
     problems += differences(config, {"mlp_activation": "silu", "sliding_window": None})
     check_expressible("bamba", problems)
     return {
@@ -79,13 +76,8 @@ def from_config(config: HybridConfig) -> dict:
         "hidden_act": "silu",
         "mamba_n_heads": config.mamba2_num_heads,
         "time_step_limit": config.mamba2_dt_limit,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
-                            "partial_rotary_factor": config.partial_rotary_factor},
+        "rope_parameters": rope_parameters(config),
     }
-
-
-def export_weights(state: StateDict, config: HybridConfig) -> StateDict:
-    return rename_state(state, decoder_rules(config), to_ours=False)
 
 
 FORMAT = register(CheckpointFormat("bamba", to_config, import_weights, from_config, export_weights))

@@ -1,15 +1,14 @@
-"""What a foreign checkpoint format is, and the one loader/exporter that every format shares.
+"""What a foreign checkpoint format is, the registry of formats, and reading and checking checkpoints.
 
 A format is data: how its ``config.json`` maps to a :class:`HybridConfig`, and how its weight names and
-layouts map to hybridlm's (and back, for export). It never holds modeling code.
+layouts map to hybridlm's (and back, for export). It never holds modeling code. The vocabulary a format module
+describes itself with (field maps, rename rules, shared checks) is in :mod:`.mapping`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import HybridConfig
-
-StateDict = dict[str, torch.Tensor]
+from .mapping import StateDict, differences
 
 
 @dataclass(frozen=True)
@@ -92,41 +90,6 @@ EXPORT_OPTIONS = {
     "shared_block_layers": None, "attention_qk_norm": False, "attention_output_gate": False,
     "moe_shared_expert_gate": False,
 }
-
-
-class RenameRules:
-    """Bidirectional name mapping by patterns with ``{i}``-style integer fields.
-
-    ``RenameRules([("model.layers.{i}.mamba.{rest}", "model.layers.{i}.mixer.{rest}")])`` maps foreign names
-    to ours with :meth:`to_ours` and back with :meth:`to_theirs`; ``{rest}`` matches any dotted tail. The first
-    rule that matches wins; a name no rule matches is returned as None.
-    """
-
-    def __init__(self, pairs: list[tuple[str, str]]):
-        self.pairs = pairs
-        self._forward = [(self._compile(theirs), ours) for theirs, ours in pairs]
-        self._backward = [(self._compile(ours), theirs) for theirs, ours in pairs]
-
-    @staticmethod
-    def _compile(pattern: str) -> re.Pattern:
-        regex = re.escape(pattern)
-        regex = re.sub(r"\\\{rest\\\}", r"(?P<rest>.+)", regex)
-        regex = re.sub(r"\\\{(\w+)\\\}", r"(?P<\1>\\d+)", regex)
-        return re.compile(f"^{regex}$")
-
-    @staticmethod
-    def _apply(rules, name: str) -> str | None:
-        for regex, template in rules:
-            match = regex.match(name)
-            if match:
-                return template.format(**match.groupdict())
-        return None
-
-    def to_ours(self, name: str) -> str | None:
-        return self._apply(self._forward, name)
-
-    def to_theirs(self, name: str) -> str | None:
-        return self._apply(self._backward, name)
 
 
 # --- reading ------------------------------------------------------------------------------------
@@ -260,120 +223,6 @@ def check_state(expected: dict[str, torch.Size], state: StateDict, source: str) 
         raise ValueError(f"{source}: " + " | ".join(problems))
 
 
-def is_finite_number(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-# --- shared mapping helpers -----------------------------------------------------------------------
-
-
-def with_transformers_defaults(foreign_config: dict) -> dict:
-    """``foreign_config`` completed by transformers' own config class for its ``model_type`` (defaults, legacy
-    keys, validation), so that a field missing from ``config.json`` means what it means to transformers."""
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import CONFIG_MAPPING
-
-    model_type = foreign_config["model_type"]
-    try:
-        return CONFIG_MAPPING[model_type].from_dict(foreign_config).to_dict()
-    except (StrictDataclassError, TypeError, ValueError) as error:
-        raise ValueError(f"invalid {model_type} config.json: {error}") from error
-
-
-def rename_state(state: StateDict, rules: RenameRules, to_ours: bool = True) -> StateDict:
-    """``state`` with every name mapped by ``rules``; a name no rule matches is kept as is, so that
-    :func:`check_state` reports it by its own name."""
-    rename = rules.to_ours if to_ours else rules.to_theirs
-    return {rename(name) or name: tensor for name, tensor in state.items()}
-
-
-def layer_rules(config: HybridConfig, theirs: str, mixer_names: dict[str, str]) -> list[tuple[str, str]]:
-    """Rename pairs for each layer's mixer, whose foreign name depends on its kind: ``theirs`` is the foreign
-    layer prefix with ``{i}`` (``"model.layers.{i}"``), ``mixer_names`` maps a mixer kind to its foreign name."""
-    return [(f"{theirs.format(i=i)}.{mixer_names[kind]}.{{rest}}", f"model.layers.{i}.mixer.{{rest}}")
-            for i, kind in enumerate(config.layer_types)]
-
-
-def same_names(*names: str) -> dict[str, str]:
-    """Field pairs for settings that transformers and HybridConfig name alike."""
-    return {name: name for name in names}
-
-
-#: Settings every supported transformers config names as HybridConfig does.
-COMMON_FIELDS = same_names("vocab_size", "hidden_size", "initializer_range", "pad_token_id", "bos_token_id",
-                           "eos_token_id")
-#: ... and those of the decoder configs with attention layers.
-ATTENTION_FIELDS = same_names("num_attention_heads", "num_key_value_heads", "max_position_embeddings")
-
-
-class FieldMap:
-    """Config fields that map one to one: ``FieldMap({"state_size": "mamba_d_state", ...})`` (theirs: ours)."""
-
-    def __init__(self, pairs: dict[str, str]):
-        self.pairs = pairs
-
-    def to_ours(self, foreign_config: dict) -> dict:
-        """HybridConfig keyword arguments for the fields present in ``foreign_config``."""
-        return {ours: foreign_config[theirs] for theirs, ours in self.pairs.items() if theirs in foreign_config}
-
-    def to_theirs(self, config: HybridConfig) -> dict:
-        """The foreign fields; one unset (None) in ``config`` is left out, so the format's default applies."""
-        return {theirs: getattr(config, ours) for theirs, ours in self.pairs.items()
-                if getattr(config, ours) is not None}
-
-
-def require_settings(foreign_config: dict, supported: dict, model_type: str) -> None:
-    """Raise naming each setting of ``foreign_config`` that hybridlm cannot reproduce. ``supported`` maps a field
-    to the values hybridlm runs exactly (a field absent from the config takes its first listed value)."""
-    problems = [f"{key}={foreign_config[key]!r} (supported: {', '.join(map(repr, allowed))})"
-                for key, allowed in supported.items() if foreign_config.get(key, allowed[0]) not in allowed]
-    if problems:
-        raise ValueError(f"{model_type} checkpoint uses settings hybridlm does not implement: {'; '.join(problems)}")
-
-
-def rope_settings(foreign_config: dict, default_partial_rotary_factor: float = 1.0) -> dict:
-    """RoPE fields as HybridConfig arguments from ``rope_parameters`` (transformers 5.x) or the older top-level
-    ``rope_theta`` / ``partial_rotary_factor``; only the default (unscaled) RoPE is supported."""
-    rope = dict(foreign_config.get("rope_parameters") or {})
-    for key in ("rope_theta", "partial_rotary_factor"):
-        rope.setdefault(key, foreign_config.get(key))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default" or foreign_config.get("rope_scaling"):
-        raise ValueError(f"RoPE type {rope_type!r} / rope_scaling={foreign_config.get('rope_scaling')!r} is not "
-                         "supported: hybridlm implements the default (unscaled) RoPE only")
-    factor = rope["partial_rotary_factor"]
-    return {"rope_theta": float(rope["rope_theta"] if rope["rope_theta"] is not None else 10000.0),
-            "partial_rotary_factor": float(factor if factor is not None else default_partial_rotary_factor)}
-
-
 def undeclared_options(config: HybridConfig, fmt: CheckpointFormat) -> list[str]:
     """Export problems: the :data:`EXPORT_OPTIONS` that ``config`` sets and ``fmt`` does not handle."""
     return differences(config, {name: value for name, value in EXPORT_OPTIONS.items() if name not in fmt.options})
-
-
-def differences(config: HybridConfig, required: dict) -> list[str]:
-    """Export problems: one per HybridConfig field whose value is not the one the target format fixes."""
-    return [f"{name}={getattr(config, name)!r} (the format needs {value!r})"
-            for name, value in required.items() if getattr(config, name) != value]
-
-
-def positions(kinds: list[str], kind: str) -> list[int]:
-    """Indices of the layers of ``kind`` (for error messages)."""
-    return [i for i, k in enumerate(kinds) if k == kind]
-
-
-def check_expressible(model_type: str, problems: list[str]) -> None:
-    """Export guard: raise one error listing everything about a model that ``model_type`` cannot hold."""
-    if problems:
-        raise ValueError(f"this model cannot be written as {model_type}: " + "; ".join(problems))
-
-
-def split_stacked(state: StateDict, name: str, targets: list[str]) -> StateDict:
-    """``state`` with the stacked expert tensor ``name`` (``[experts, rows, cols]``, the rows of each expert cut
-    into ``len(targets)`` equal blocks) replaced by one tensor per expert and block; ``targets`` are names with
-    ``{e}`` for the expert (``["...experts.{e}.gate_proj.weight", "...experts.{e}.up_proj.weight"]``)."""
-    state = dict(state)
-    for e, stacked in enumerate(state.pop(name)):
-        for target, block in zip(targets, stacked.chunk(len(targets), dim=0)):
-            state[target.format(e=e)] = block.contiguous()
-    return state

@@ -16,12 +16,13 @@ import torch
 
 from ..config import HybridConfig
 from .bamba import DECODER_FIELDS, MAMBA2_FIELDS
-from .base import (
-    CheckpointFormat,
+from .base import CheckpointFormat, register
+from .mapping import (
     FieldMap,
     RenameRules,
     StateDict,
-    register,
+    head_dim_of,
+    outer_rules,
     rename_state,
     require_settings,
     rope_settings,
@@ -33,9 +34,7 @@ FIELDS = FieldMap({
     "embedding_multiplier": "embedding_multiplier", "lm_head_multiplier": "logits_multiplier",
 })
 RULES = RenameRules([
-    ("model.embed_tokens.weight", "model.embed_tokens.weight"),
-    ("model.final_layernorm.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
+    *outer_rules("model.final_layernorm.weight"),
     ("model.layers.{i}.input_layernorm.weight", "model.layers.{i}.input_layernorm.weight"),
     ("model.layers.{i}.pre_ff_layernorm.weight", "model.layers.{i}.pre_mlp_layernorm.weight"),
     ("model.layers.{i}.feed_forward.{rest}", "model.layers.{i}.mlp.{rest}"),
@@ -62,7 +61,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         **rope_settings(fc),
         layer_types=["attention+mamba2"] * n,
         mlp_types=["dense"] * n,
-        head_dim=fc.get("head_dim") or fc["hidden_size"] // fc["num_attention_heads"],
+        head_dim=head_dim_of(fc),
         mamba2_inner_size=fc["mamba_d_ssm"] if fc["mamba_d_ssm"] != fc["mamba_expand"] * fc["hidden_size"] else None,
         mamba2_norm=_mamba2_norm(fc),
         mamba2_dt_limit=fc.get("time_step_limit"),  # None means no limit

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 from ..config import HybridConfig
 from .bamba import DECODER_FIELDS, MAMBA2_FIELDS
-from .base import (
-    CheckpointFormat,
+from .base import CheckpointFormat, register
+from .mapping import (
     FieldMap,
     RenameRules,
     StateDict,
+    check_mamba2_heads,
+    head_dim_of,
     layer_rules,
-    register,
+    outer_rules,
     rename_state,
     require_settings,
     rope_settings,
@@ -56,13 +58,13 @@ def to_config(foreign_config: dict) -> HybridConfig:
         **mlp,
         **rope,
         layer_types=[MIXERS[kind] for kind in fc["layer_types"]],
-        head_dim=fc.get("head_dim") or fc["hidden_size"] // fc["num_attention_heads"],
+        head_dim=head_dim_of(fc),
         logits_multiplier=1.0 / fc["logits_scaling"],
         mamba2_dt_limit=fc.get("time_step_limit"),  # None means no limit
     )
-    if "mamba2" in config.layer_types and config.mamba2_num_heads != fc["mamba_n_heads"]:
-        raise ValueError(f"granitemoehybrid config: mamba_n_heads={fc['mamba_n_heads']} but mamba_expand * "
-                         f"hidden_size / mamba_d_head = {config.mamba2_num_heads}")
+    if "mamba2" in config.layer_types:
+        check_mamba2_heads(config, fc, "mamba_n_heads", "mamba_expand * hidden_size / mamba_d_head",
+                           "granitemoehybrid")
     return config
 
 
@@ -87,9 +89,7 @@ def _unfuse(state: StateDict) -> StateDict:
 def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
     shared = "mlp.shared_expert" if config.mlp_types[0] == "moe" else "mlp"
     rules = RenameRules([
-        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
-        ("model.norm.weight", "model.norm.weight"),
-        ("lm_head.weight", "lm_head.weight"),
+        *outer_rules(),
         ("model.layers.{i}.input_layernorm.weight", "model.layers.{i}.input_layernorm.weight"),
         ("model.layers.{i}.post_attention_layernorm.weight", "model.layers.{i}.pre_mlp_layernorm.weight"),
         ("model.layers.{i}.block_sparse_moe.router.layer.weight", "model.layers.{i}.mlp.router.weight"),

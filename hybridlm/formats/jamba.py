@@ -8,22 +8,25 @@ Read and written. The decoder layout here (``model.layers.{i}.mamba`` / ``self_a
 from __future__ import annotations
 
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
-    CheckpointFormat,
     FieldMap,
     RenameRules,
     StateDict,
     check_expressible,
     differences,
+    head_dim_of,
     layer_rules,
+    outer_rules,
     positions,
-    register,
     rename_state,
+    renaming,
     require_settings,
     same_names,
     split_stacked,
+    unsupported_kinds,
     with_transformers_defaults,
 )
 
@@ -37,9 +40,7 @@ FIELDS = FieldMap({**COMMON_FIELDS, **ATTENTION_FIELDS, **same_names(
 def decoder_rules(config: HybridConfig) -> RenameRules:
     """Names of the ``model.layers`` decoder layout of Jamba and Bamba."""
     return RenameRules([
-        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
-        ("model.final_layernorm.weight", "model.norm.weight"),
-        ("lm_head.weight", "lm_head.weight"),
+        *outer_rules("model.final_layernorm.weight"),
         ("model.layers.{i}.input_layernorm.weight", "model.layers.{i}.input_layernorm.weight"),
         ("model.layers.{i}.pre_ff_layernorm.weight", "model.layers.{i}.pre_mlp_layernorm.weight"),
         ("model.layers.{i}.feed_forward.{rest}", "model.layers.{i}.mlp.{rest}"),
@@ -67,7 +68,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         **FIELDS.to_ours(fc),
         layer_types=["attention" if a else "mamba" for a in attention],
         mlp_types=["moe" if m else "dense" for m in moe],
-        head_dim=fc.get("head_dim") or fc["hidden_size"] // fc["num_attention_heads"],
+        head_dim=head_dim_of(fc),
         partial_rotary_factor=0.0,  # Jamba's attention has no positional encoding
         mamba_dt_norm=True,
         moe_intermediate_size=fc["intermediate_size"],
@@ -90,10 +91,7 @@ def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict)
 
 
 def from_config(config: HybridConfig) -> dict:
-    problems = []
-    other = sorted(set(config.layer_types) - {"mamba", "attention"})
-    if other:
-        problems.append(f"Jamba layers are 'mamba' or 'attention', this model has {other}")
+    problems = unsupported_kinds(config, ["mamba", "attention"], "Jamba")
     attention = periodic([kind == "attention" for kind in config.layer_types])
     if attention is None:
         problems.append(f"attention layers at {positions(config.layer_types, 'attention')} are not one every "
@@ -131,8 +129,7 @@ def from_config(config: HybridConfig) -> dict:
     }
 
 
-def export_weights(state: StateDict, config: HybridConfig) -> StateDict:
-    return rename_state(state, decoder_rules(config), to_ours=False)
+_, export_weights = renaming(decoder_rules)
 
 
 FORMAT = register(CheckpointFormat("jamba", to_config, import_weights, from_config, export_weights))

@@ -12,23 +12,23 @@ config class.
 
 from __future__ import annotations
 
-import torch
-
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .jamba import unfuse_experts
+from .mapping import (
     COMMON_FIELDS,
-    CheckpointFormat,
     FieldMap,
     RenameRules,
     StateDict,
+    join_weights,
+    our_kinds,
+    outer_rules,
     positions,
-    register,
     rename_state,
     require_settings,
     same_names,
     with_transformers_defaults,
 )
-from .jamba import unfuse_experts
 
 FIELDS = FieldMap({
     **COMMON_FIELDS,
@@ -49,11 +49,8 @@ CONV_PARTS = ("q_conv1d", "k_conv1d", "v_conv1d")
 def to_config(foreign_config: dict) -> HybridConfig:
     fc = with_transformers_defaults(foreign_config)
     require_settings(fc, {"hidden_act": ("silu",)}, "kimi_linear")
-    for field, kinds in (("layer_types", LAYER_KINDS), ("mlp_layer_types", MLP_KINDS)):
-        unknown = sorted(set(fc[field]) - set(kinds))
-        if unknown:
-            raise ValueError(f"kimi_linear config: {field} {unknown} are not supported (hybridlm reads "
-                             f"{sorted(kinds)})")
+    layer_types = our_kinds(fc, LAYER_KINDS, "kimi_linear")
+    mlp_types = our_kinds(fc, MLP_KINDS, "kimi_linear", "mlp_layer_types")
     if fc["num_key_value_heads"] not in (None, fc["num_attention_heads"]):
         raise ValueError(f"kimi_linear config: num_key_value_heads={fc['num_key_value_heads']} is not supported (MLA "
                          f"expands its latent to all num_attention_heads={fc['num_attention_heads']} heads)")
@@ -61,8 +58,8 @@ def to_config(foreign_config: dict) -> HybridConfig:
         **FIELDS.to_ours(fc),
         deltanet_num_value_heads=fc["linear_num_heads"],
         deltanet_value_head_dim=fc["linear_head_dim"],
-        layer_types=[LAYER_KINDS[kind] for kind in fc["layer_types"]],
-        mlp_types=[MLP_KINDS[kind] for kind in fc["mlp_layer_types"]],
+        layer_types=layer_types,
+        mlp_types=mlp_types,
         shared_expert_intermediate_size=fc["moe_intermediate_size"] * fc["num_shared_experts"],
         moe_router="sigmoid",
         mla_rope=False,
@@ -78,9 +75,7 @@ def _rules() -> RenameRules:
     moe = [(f"{layer}.{block}.{theirs}", f"{mlp}.{ours}")
            for block in ("block_sparse_moe", "mlp") for theirs, ours in names]
     return RenameRules([
-        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
-        ("model.norm.weight", "model.norm.weight"),
-        ("lm_head.weight", "lm_head.weight"),
+        *outer_rules(),
         (f"{layer}.input_layernorm.weight", f"{layer}.input_layernorm.weight"),
         (f"{layer}.post_attention_layernorm.weight", f"{layer}.pre_mlp_layernorm.weight"),
         (f"{layer}.self_attn.forget_gate.{{rest}}", f"{layer}.mixer.{{rest}}"),  # transformers' in-memory names
@@ -95,9 +90,7 @@ def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict)
         mixer = f"model.layers.{i}.mixer"
         if f"{mixer}.A_log" in state:
             state[f"{mixer}.A_log"] = state[f"{mixer}.A_log"].flatten()
-        parts = [f"{mixer}.{part}.weight" for part in CONV_PARTS]
-        if all(part in state for part in parts):  # else the loader names the parts left over
-            state[f"{mixer}.conv1d.weight"] = torch.cat([state.pop(part) for part in parts])
+        join_weights(state, mixer, {"conv1d": CONV_PARTS})
     return state
 
 

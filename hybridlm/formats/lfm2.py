@@ -12,21 +12,27 @@ from __future__ import annotations
 import torch
 
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
-    CheckpointFormat,
     FieldMap,
     RenameRules,
     StateDict,
     check_expressible,
     differences,
     layer_rules,
+    other_positions,
+    our_kinds,
+    outer_rules,
     positions,
-    register,
     rename_state,
+    renaming,
+    rope_parameters,
     rope_settings,
     same_names,
+    their_kinds,
+    unsupported_kinds,
     with_transformers_defaults,
 )
 
@@ -39,9 +45,7 @@ def decoder_rules(config: HybridConfig) -> RenameRules:
     """LFM2's names against ours (the first matching rule wins, in both directions)."""
     layer = "model.layers.{i}"
     return RenameRules([
-        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
-        ("model.embedding_norm.weight", "model.norm.weight"),
-        ("lm_head.weight", "lm_head.weight"),
+        *outer_rules("model.embedding_norm.weight"),
         (f"{layer}.operator_norm.weight", f"{layer}.input_layernorm.weight"),
         (f"{layer}.ffn_norm.weight", f"{layer}.pre_mlp_layernorm.weight"),
         *[(f"{layer}.feed_forward.{expert}{theirs}.weight", f"{layer}.mlp.{expert}{ours}_proj.weight")
@@ -68,13 +72,9 @@ def mlp_width(fc: dict) -> int:
 
 def to_config(foreign_config: dict) -> HybridConfig:
     fc = with_transformers_defaults(foreign_config)
-    model_type = fc["model_type"]
-    unknown = sorted(set(fc["layer_types"]) - set(LAYER_KINDS))
-    if unknown:
-        raise ValueError(f"{model_type} config: layer_types {unknown} are not supported (hybridlm reads "
-                         f"{sorted(LAYER_KINDS)})")
+    layer_types = our_kinds(fc, LAYER_KINDS, fc["model_type"])
     n = fc["num_hidden_layers"]
-    if model_type == "lfm2":
+    if fc["model_type"] == "lfm2":
         mlp = dict(mlp_types=["dense"] * n, intermediate_size=mlp_width(fc))
     else:  # lfm2_moe: the dense width as stated; sigmoid routing (the selection bias is zero without use_expert_bias)
         mlp = dict(mlp_types=["dense" if i < fc["num_dense_layers"] else "moe" for i in range(n)],
@@ -86,7 +86,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         **FIELDS.to_ours(fc),
         **rope_settings(fc),
         **mlp,
-        layer_types=[LAYER_KINDS[kind] for kind in fc["layer_types"]],
+        layer_types=layer_types,
         head_dim=fc["hidden_size"] // fc["num_attention_heads"],
         attention_qk_norm=True,
     )
@@ -100,13 +100,10 @@ def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict)
 
 
 def from_config(config: HybridConfig) -> dict:
-    problems = []
-    other = sorted(set(config.layer_types) - set(LAYER_KINDS.values()))
-    if other:
-        problems.append(f"LFM2 layers are 'attention' or 'short_conv', this model has {other}")
+    problems = unsupported_kinds(config, list(LAYER_KINDS.values()), "LFM2")
     if set(config.mlp_types) != {"dense"}:
-        problems.append(f"every LFM2 layer has a dense MLP; layers "
-                        f"{[i for i, k in enumerate(config.mlp_types) if k != 'dense']} do not")
+        problems.append(f"every LFM2 layer has a dense MLP; layers {other_positions(config.mlp_types, 'dense')} "
+                        "do not")
     problems += differences(config, {"mlp_activation": "silu"})
     if "attention" in config.layer_types:
         problems += differences(config, {
@@ -115,21 +112,19 @@ def from_config(config: HybridConfig) -> dict:
             "head_dim": config.hidden_size // config.num_attention_heads,
         })
     check_expressible("lfm2", problems)
-    theirs = {kind: name for name, kind in LAYER_KINDS.items()}
     return {
         "model_type": "lfm2",
         "architectures": ["Lfm2ForCausalLM"],
         **FIELDS.to_theirs(config),
-        "layer_types": [theirs[kind] for kind in config.layer_types],
+        "layer_types": their_kinds(config.layer_types, LAYER_KINDS),
         "full_attn_idxs": positions(config.layer_types, "attention"),
         "intermediate_size": config.intermediate_size,
         "block_auto_adjust_ff_dim": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": rope_parameters(config, partial=False),
     }
 
 
-def export_weights(state: StateDict, config: HybridConfig) -> StateDict:
-    return rename_state(state, decoder_rules(config), to_ours=False)
+_, export_weights = renaming(decoder_rules)
 
 
 FORMAT = register(CheckpointFormat("lfm2", to_config, import_weights, from_config, export_weights,

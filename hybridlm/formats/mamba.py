@@ -8,14 +8,13 @@ The ``backbone`` layout here (``backbone.embeddings``, ``backbone.layers.{i}.nor
 from __future__ import annotations
 
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .mapping import (
     COMMON_FIELDS,
-    CheckpointFormat,
     FieldMap,
     RenameRules,
-    StateDict,
-    register,
-    rename_state,
+    outer_rules,
+    renaming,
     require_settings,
     same_names,
     with_transformers_defaults,
@@ -30,10 +29,8 @@ FIELDS = FieldMap({
 })
 
 BACKBONE_RULES = RenameRules([
-    ("backbone.embeddings.weight", "model.embed_tokens.weight"),
+    *outer_rules("backbone.norm_f.weight", embeddings="backbone.embeddings.weight"),
     ("backbone.embedding.weight", "model.embed_tokens.weight"),  # mamba-ssm's name, accepted by transformers
-    ("backbone.norm_f.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
     ("backbone.layers.{i}.norm.weight", "model.layers.{i}.input_layernorm.weight"),
     ("backbone.layers.{i}.mixer.{rest}", "model.layers.{i}.mixer.{rest}"),
 ])
@@ -54,8 +51,7 @@ def _to_config(foreign_config: dict) -> HybridConfig:
     )
 
 
-def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
-    return rename_state(state, BACKBONE_RULES)
+import_weights, _ = renaming(lambda config: BACKBONE_RULES)
 
 
 MAMBA = register(CheckpointFormat("mamba", _to_config, import_weights))

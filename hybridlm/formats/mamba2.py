@@ -4,19 +4,19 @@ written."""
 from __future__ import annotations
 
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .mamba import BACKBONE_RULES
+from .mapping import (
     COMMON_FIELDS,
-    CheckpointFormat,
     FieldMap,
-    StateDict,
     check_expressible,
-    register,
-    rename_state,
+    check_mamba2_heads,
+    other_positions,
+    renaming,
     require_settings,
     same_names,
     with_transformers_defaults,
 )
-from .mamba import BACKBONE_RULES
 
 FIELDS = FieldMap({
     **COMMON_FIELDS, **same_names("num_hidden_layers", "tie_word_embeddings"), "layer_norm_epsilon": "rms_norm_eps",
@@ -33,22 +33,20 @@ def to_config(foreign_config: dict) -> HybridConfig:
     require_settings(fc, {"hidden_act": ("silu",)}, "mamba2")
     n = fc["num_hidden_layers"]
     config = HybridConfig(**FIELDS.to_ours(fc), layer_types=["mamba2"] * n, mlp_types=["none"] * n)
-    if config.mamba2_num_heads != fc["num_heads"]:
-        raise ValueError(f"mamba2 config: num_heads={fc['num_heads']} but expand * hidden_size / head_dim = "
-                         f"{config.mamba2_num_heads}")
+    check_mamba2_heads(config, fc, "num_heads", "expand * hidden_size / head_dim", "mamba2")
     return config
 
 
-def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
-    return rename_state(state, BACKBONE_RULES)
+import_weights, export_weights = renaming(lambda config: BACKBONE_RULES)
 
 
 def from_config(config: HybridConfig) -> dict:
     problems = []
     if set(config.layer_types) != {"mamba2"}:
-        problems.append(f"every Mamba-2 layer is 'mamba2'; layers {_other(config.layer_types, 'mamba2')} are not")
+        problems.append(f"every Mamba-2 layer is 'mamba2'; layers {other_positions(config.layer_types, 'mamba2')} "
+                        "are not")
     if set(config.mlp_types) != {"none"}:
-        problems.append(f"Mamba-2 layers have no MLP; layers {_other(config.mlp_types, 'none')} have one")
+        problems.append(f"Mamba-2 layers have no MLP; layers {other_positions(config.mlp_types, 'none')} have one")
     check_expressible("mamba2", problems)
     return {
         "model_type": "mamba2",
@@ -57,14 +55,6 @@ def from_config(config: HybridConfig) -> dict:
         "num_heads": config.mamba2_num_heads,
         "hidden_act": "silu",
     }
-
-
-def export_weights(state: StateDict, config: HybridConfig) -> StateDict:
-    return rename_state(state, BACKBONE_RULES, to_ours=False)
-
-
-def _other(kinds: list[str], kind: str) -> list[int]:
-    return [i for i, k in enumerate(kinds) if k != kind]
 
 
 FORMAT = register(CheckpointFormat("mamba2", to_config, import_weights, from_config, export_weights))

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..config import HybridConfig
-from .base import CheckpointFormat, FieldMap, RenameRules, StateDict, register, rename_state, require_settings
+from .base import CheckpointFormat, register
+from .mapping import FieldMap, RenameRules, StateDict, outer_rules, rename_state, require_settings
 
 # MambaConfig's defaults, and those of the mixer classes ssm_cfg and attn_cfg configure.
 MODEL_DEFAULTS = {"d_intermediate": 0, "ssm_cfg": {}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
@@ -44,9 +45,7 @@ SSM_FIELDS = {
 SSM_KINDS = {"Mamba1": "mamba", "Mamba2": "mamba2"}
 
 RULES = RenameRules([
-    ("backbone.embedding.weight", "model.embed_tokens.weight"),
-    ("backbone.norm_f.weight", "model.norm.weight"),
-    ("lm_head.weight", "lm_head.weight"),
+    *outer_rules("backbone.norm_f.weight", embeddings="backbone.embedding.weight"),
     ("backbone.layers.{i}.norm.weight", "model.layers.{i}.input_layernorm.weight"),
     ("backbone.layers.{i}.norm2.weight", "model.layers.{i}.pre_mlp_layernorm.weight"),
     ("backbone.layers.{i}.mlp.fc1.weight", "model.layers.{i}.mlp.fc1.weight"),  # split in import_weights

@@ -16,16 +16,15 @@ are ignored, as transformers ignores them.
 from __future__ import annotations
 
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
-    CheckpointFormat,
     FieldMap,
     RenameRules,
     StateDict,
     check_expressible,
     differences,
-    register,
     rename_state,
     require_settings,
     same_names,

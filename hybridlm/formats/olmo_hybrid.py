@@ -19,18 +19,19 @@ the MLP output.
 
 from __future__ import annotations
 
-import torch
-
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
-    CheckpointFormat,
+    DELTANET_FIELDS,
     FieldMap,
     RenameRules,
     StateDict,
+    join_weights,
+    our_kinds,
+    outer_rules,
     positions,
-    register,
     rename_state,
     require_settings,
     rope_settings,
@@ -41,9 +42,7 @@ from .base import (
 FIELDS = FieldMap({
     **COMMON_FIELDS, **ATTENTION_FIELDS,
     **same_names("num_hidden_layers", "rms_norm_eps", "tie_word_embeddings", "attention_bias", "intermediate_size"),
-    "linear_num_key_heads": "deltanet_num_key_heads", "linear_num_value_heads": "deltanet_num_value_heads",
-    "linear_key_head_dim": "deltanet_key_head_dim", "linear_value_head_dim": "deltanet_value_head_dim",
-    "linear_conv_kernel_dim": "deltanet_conv_size",
+    **DELTANET_FIELDS,
 })
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "attention"}
 OUTPUT_NORM_EPS = 1e-5  # transformers' OlmoHybridGatedDeltaNet fixes it (FLA's FusedRMSNormGated default)
@@ -55,13 +54,9 @@ JOINED = {"in_proj_qkvz": ("q_proj", "k_proj", "v_proj", "g_proj"), "in_proj_ba"
 def to_config(foreign_config: dict) -> HybridConfig:
     fc = with_transformers_defaults(foreign_config)
     require_settings(fc, {"hidden_act": ("silu",)}, "olmo_hybrid")
-    unknown = sorted(set(fc["layer_types"]) - set(LAYER_KINDS))
-    if unknown:
-        raise ValueError(f"olmo_hybrid config: layer_types {unknown} are not supported (hybridlm reads "
-                         f"{sorted(LAYER_KINDS)})")
+    layer_types = our_kinds(fc, LAYER_KINDS, "olmo_hybrid")
     rope = fc.get("rope_parameters")
     no_rope = rope is None or rope.get("rope_theta") is None  # transformers builds no rotary embedding then
-    layer_types = [LAYER_KINDS[kind] for kind in fc["layer_types"]]
     return HybridConfig(
         **FIELDS.to_ours(fc),
         **({"partial_rotary_factor": 0.0} if no_rope else rope_settings(fc)),
@@ -77,8 +72,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
 
 def _rules(config: HybridConfig) -> RenameRules:
     layer = "model.layers.{i}"
-    rules = [("model.embed_tokens.weight", "model.embed_tokens.weight"), ("model.norm.weight", "model.norm.weight"),
-             ("lm_head.weight", "lm_head.weight"), (f"{layer}.mlp.{{rest}}", f"{layer}.mlp.{{rest}}")]
+    rules = [*outer_rules(), (f"{layer}.mlp.{{rest}}", f"{layer}.mlp.{{rest}}")]
     for i, kind in enumerate(config.layer_types):
         theirs, ours = f"model.layers.{i}", f"model.layers.{i}"
         if kind == "gated_deltanet":
@@ -98,11 +92,7 @@ def _rules(config: HybridConfig) -> RenameRules:
 def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict) -> StateDict:
     state = rename_state(state, _rules(config))
     for i in positions(config.layer_types, "gated_deltanet"):
-        mixer = f"model.layers.{i}.mixer"
-        for ours, parts in JOINED.items():
-            names = [f"{mixer}.{part}.weight" for part in parts]
-            if all(name in state for name in names):  # else the loader names the parts left over
-                state[f"{mixer}.{ours}.weight"] = torch.cat([state.pop(name) for name in names])
+        join_weights(state, f"model.layers.{i}.mixer", JOINED)
     return state
 
 

@@ -11,10 +11,9 @@ supported.
 
 from __future__ import annotations
 
-import torch
-
 from ..config import HybridConfig
-from .base import CheckpointFormat, StateDict, positions, register, with_transformers_defaults
+from .base import CheckpointFormat, register
+from .mapping import StateDict, join_weights, positions, with_transformers_defaults
 from .qwen3_next import config_from, weights_to_ours
 
 #: our fused DeltaNet projections and the Qwen3.5 matrices they join, in order
@@ -39,11 +38,7 @@ def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict)
                  if not name.startswith(("model.visual.", "mtp."))}
     state = dict(state)
     for i in positions(config.layer_types, "gated_deltanet"):
-        prefix = f"model.layers.{i}.linear_attn"
-        for ours, parts in JOINED.items():
-            names = [f"{prefix}.{part}.weight" for part in parts]
-            if all(name in state for name in names):
-                state[f"{prefix}.{ours}.weight"] = torch.cat([state.pop(name) for name in names])
+        join_weights(state, f"model.layers.{i}.linear_attn", JOINED)
     return weights_to_ours(state, config, interleaved=False)
 
 

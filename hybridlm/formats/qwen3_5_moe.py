@@ -10,7 +10,8 @@ renormalises the top-k weights and every layer is sparse.
 from __future__ import annotations
 
 from ..config import HybridConfig
-from .base import CheckpointFormat, StateDict, register, with_transformers_defaults
+from .base import CheckpointFormat, register
+from .mapping import StateDict, with_transformers_defaults
 from .qwen3_5 import import_weights as qwen3_5_weights
 from .qwen3_next import config_from
 

@@ -15,25 +15,30 @@ from __future__ import annotations
 import torch
 
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .jamba import unfuse_experts
+from .mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
-    CheckpointFormat,
+    DELTANET_FIELDS,
     FieldMap,
     RenameRules,
     StateDict,
     check_expressible,
     differences,
     layer_rules,
+    our_kinds,
+    outer_rules,
     positions,
-    register,
     rename_state,
     require_settings,
+    rope_parameters,
     rope_settings,
     same_names,
+    their_kinds,
+    unsupported_kinds,
     with_transformers_defaults,
 )
-from .jamba import unfuse_experts
 
 FIELDS = FieldMap({
     **COMMON_FIELDS, **ATTENTION_FIELDS,
@@ -41,9 +46,7 @@ FIELDS = FieldMap({
                  "intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
                  "num_experts_per_tok", "router_aux_loss_coef"),
     "norm_topk_prob": "moe_renormalize",
-    "linear_num_key_heads": "deltanet_num_key_heads", "linear_num_value_heads": "deltanet_num_value_heads",
-    "linear_key_head_dim": "deltanet_key_head_dim", "linear_value_head_dim": "deltanet_value_head_dim",
-    "linear_conv_kernel_dim": "deltanet_conv_size",
+    **DELTANET_FIELDS,
 })
 LAYER_KINDS = {"linear_attention": "gated_deltanet", "full_attention": "attention"}
 DEFAULT_PARTIAL_ROTARY_FACTOR = 0.25
@@ -54,9 +57,7 @@ FIXED = {"attention_qk_norm": True, "attention_output_gate": True, "moe_shared_e
 def decoder_rules(config: HybridConfig) -> RenameRules:
     layer = "model.layers.{i}"
     return RenameRules([
-        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
-        ("model.norm.weight", "model.norm.weight"),
-        ("lm_head.weight", "lm_head.weight"),
+        *outer_rules(),
         (f"{layer}.input_layernorm.weight", f"{layer}.input_layernorm.weight"),
         (f"{layer}.post_attention_layernorm.weight", f"{layer}.pre_mlp_layernorm.weight"),
         (f"{layer}.mlp.gate.weight", f"{layer}.mlp.router.weight"),
@@ -120,17 +121,14 @@ def _fused_q_rules(config: HybridConfig) -> RenameRules:
 def config_from(fc: dict, mlp_types: list[str], model_type: str) -> HybridConfig:
     """The HybridConfig of a Qwen3-Next-style text config (Qwen3.5's too) whose MLP plan is ``mlp_types``."""
     require_settings(fc, {"hidden_act": ("silu",)}, model_type)
-    unknown = sorted(set(fc["layer_types"]) - set(LAYER_KINDS))
-    if unknown:
-        raise ValueError(f"{model_type} config: layer_types {unknown} are not supported (hybridlm reads "
-                         f"{sorted(LAYER_KINDS)})")
+    layer_types = our_kinds(fc, LAYER_KINDS, model_type)
     if "moe" in mlp_types and not fc["shared_expert_intermediate_size"]:
         raise ValueError(f"{model_type} config: shared_expert_intermediate_size=0 is not supported (its gated "
                          "shared expert would be empty)")
     return HybridConfig(
         **FIELDS.to_ours(fc),
         **rope_settings(fc, DEFAULT_PARTIAL_ROTARY_FACTOR),
-        layer_types=[LAYER_KINDS[kind] for kind in fc["layer_types"]],
+        layer_types=layer_types,
         mlp_types=mlp_types,
         **FIXED,
     )
@@ -156,10 +154,7 @@ def import_weights(state: StateDict, config: HybridConfig, foreign_config: dict)
 
 
 def from_config(config: HybridConfig) -> dict:
-    problems = []
-    other = sorted(set(config.layer_types) - set(LAYER_KINDS.values()))
-    if other:
-        problems.append(f"Qwen3-Next layers are 'gated_deltanet' or 'attention', this model has {other}")
+    problems = unsupported_kinds(config, list(LAYER_KINDS.values()), "Qwen3-Next")
     if "none" in config.mlp_types:
         problems.append(f"every Qwen3-Next layer has an MLP; layers {positions(config.mlp_types, 'none')} do not")
     problems += differences(config, {"mlp_activation": "silu", "sliding_window": None, "deltanet_chunk_size": 64})
@@ -168,18 +163,16 @@ def from_config(config: HybridConfig) -> dict:
     if "moe" in config.mlp_types:
         problems += differences(config, {"moe_shared_expert_gate": True, "moe_router": "softmax"})
     check_expressible("qwen3_next", problems)
-    theirs = {kind: name for name, kind in LAYER_KINDS.items()}
     return {
         "model_type": "qwen3_next",
         "architectures": ["Qwen3NextForCausalLM"],
         **FIELDS.to_theirs(config),
-        "layer_types": [theirs[kind] for kind in config.layer_types],
+        "layer_types": their_kinds(config.layer_types, LAYER_KINDS),
         "mlp_only_layers": positions(config.mlp_types, "dense"),
         "decoder_sparse_step": 1,
         "num_experts": config.num_experts,  # dense layers are listed in mlp_only_layers
         "hidden_act": "silu",
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta,
-                            "partial_rotary_factor": config.partial_rotary_factor},
+        "rope_parameters": rope_parameters(config),
     }
 
 

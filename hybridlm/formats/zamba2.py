@@ -21,14 +21,15 @@ import re
 import torch
 
 from ..config import HybridConfig
-from .base import (
+from .base import CheckpointFormat, register
+from .mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
-    CheckpointFormat,
     FieldMap,
     RenameRules,
     StateDict,
-    register,
+    check_mamba2_heads,
+    outer_rules,
     rename_state,
     require_settings,
     rope_settings,
@@ -72,9 +73,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         mamba2_conv_bias=True,  # Zamba2's convolution always has a bias
         mamba2_dt_limit=[fc["time_step_min"], float("inf")],
     )
-    if config.mamba2_num_heads != fc["n_mamba_heads"]:
-        raise ValueError(f"zamba2 config: n_mamba_heads={fc['n_mamba_heads']} but mamba_expand * hidden_size / "
-                         f"mamba_headdim = {config.mamba2_num_heads}")
+    check_mamba2_heads(config, fc, "n_mamba_heads", "mamba_expand * hidden_size / mamba_headdim", "zamba2")
     return config
 
 
@@ -105,9 +104,7 @@ def _gather_shared(state: StateDict, config: HybridConfig) -> StateDict:
 
 
 def rules(config: HybridConfig) -> RenameRules:
-    pairs = [("model.embed_tokens.weight", "model.embed_tokens.weight"),
-             ("model.final_layernorm.weight", "model.norm.weight"),
-             ("lm_head.weight", "lm_head.weight"),
+    pairs = [*outer_rules("model.final_layernorm.weight"),
              ("model.layers.{i}.input_layernorm.weight", "model.layers.{i}.input_layernorm.weight"),
              ("model.layers.{i}.mamba.{rest}", "model.layers.{i}.mixer.{rest}"),
              ("model.layers.{i}.mamba_decoder.input_layernorm.weight", "model.layers.{i}.input_layernorm.weight"),
