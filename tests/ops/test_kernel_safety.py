@@ -24,8 +24,8 @@ from hybridlm.ops.ssd import chunked_decay_scan as chunked_decay_scan_ref
 
 from .triton_support import DEVICE, _common, assert_close, kernels
 
-KERNEL_FILES = ["_common", "chunked_scan", "selective_scan", "causal_conv1d", "state_update"]
 TRITON_DIR = Path(_common.__file__).parent
+KERNEL_SOURCES = {path.name: path.read_text() for path in sorted(TRITON_DIR.glob("*.py"))}  # every module
 
 
 # ---- reversed scans ---------------------------------------------------------------------------------------------
@@ -64,10 +64,9 @@ def test_reversed_scan_is_a_forward_scan_between_flips(rows):
 
 def test_no_reversed_associative_scan_with_an_order_dependent_combine():
     """Only the additive running total (any order is right) scans with reverse=True."""
-    for name in KERNEL_FILES:
-        source = (TRITON_DIR / f"{name}.py").read_text()
+    for name, source in KERNEL_SOURCES.items():
         for call in re.findall(r"associative_scan\([^)]*reverse=[^)]*\)", source):
-            assert "_add" in call, f"{name}.py: {call}"
+            assert "_add" in call, f"{name}: {call}"
 
 
 # ---- 64-bit offsets ---------------------------------------------------------------------------------------------
@@ -188,11 +187,15 @@ def test_launches_go_to_the_device_of_the_tensors(monkeypatch):
 
 
 def test_every_kernel_launch_goes_through_launch():
-    """``launch`` holds the device guard and the failure handling: no kernel is indexed by a grid elsewhere."""
-    for name in KERNEL_FILES[1:]:
-        source = (TRITON_DIR / f"{name}.py").read_text()
-        assert not re.findall(r"_kernel\[", source), f"{name}.py launches a kernel directly"
-        assert "launch(" in source
+    """``launch`` holds the device guard and the failure handling: no kernel is indexed by a grid, and every
+    kernel of the package is launched by it."""
+    every_source = "\n".join(KERNEL_SOURCES.values())
+    kernels_defined = re.findall(r"^def (_\w+_kernel)\(", every_source, flags=re.M)
+    assert len(kernels_defined) >= 12
+    for name, source in KERNEL_SOURCES.items():
+        assert not re.findall(r"_kernel\[", source), f"{name} launches a kernel directly"
+    for kernel in kernels_defined:
+        assert re.search(rf"launch\(\s*{kernel}\b", every_source), f"{kernel} is not launched through launch()"
 
 
 # ---- the CUDA scan declines what it cannot take -----------------------------------------------------------------
