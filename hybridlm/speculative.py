@@ -60,6 +60,23 @@ class SpeculativeDecoding:
                              "speculative decoding needs a draft model with the target's vocabulary (tokenizer)")
 
 
+def check_rollback(model, policy) -> None:
+    """Raise, before any work, unless a cache made under ``policy`` can roll back (speculative decoding crops the
+    target's cache after every verification): naming each state whose layout never can (H2O heavy hitters)."""
+    probe = model.new_cache(1, policy=policy)
+    refused = [f"state {index} ({kind}, {_layout_names(state)}): {state.rewind_blocker(1)}"
+               for index, (kind, state) in enumerate(zip(probe.layer_types, probe.states)) if not state.croppable]
+    if refused:
+        raise ValueError("speculative decoding rolls the cache back after each verification, and under this "
+                         f"cache_policy {'; '.join(refused)}. Use a policy without heavy_hitters (quantized KV, "
+                         "sinks + window and paged KV roll back exactly)")
+
+
+def _layout_names(state) -> str:
+    parts = getattr(state, "parts", None)
+    return "+".join(type(part).__name__ for part in parts.values()) if parts else type(state).__name__
+
+
 def rollback(cache: HybridCache, length: int) -> None:
     """Keep the first ``length`` token slots of ``cache`` (nothing to do when it holds no more)."""
     if cache.seen > length:
@@ -192,6 +209,7 @@ def speculative_stream(decoder, prompts, settings: SamplingSettings) -> Iterator
     decoder._check_length(ids.shape[1] + settings.max_new_tokens)
     stats = decoder.stats
     stats.update(draft_tokens=0, accepted_draft_tokens=0, target_forwards=0, acceptance_rate=0.0)
+    check_rollback(model, decoder.cache_policy)
     if settings.max_new_tokens == 0:
         return
     generator = None if settings.seed is None else torch.Generator(device=device).manual_seed(settings.seed)

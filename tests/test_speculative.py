@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridlm import PrefixCache, SpeculativeDecoding
+from hybridlm import CachePolicy, PrefixCache, SpeculativeDecoding
 from hybridlm import speculative as spec_module
+from hybridlm.cache import HybridCache, KVState
 from hybridlm.generation import IncrementalDecoder, SamplingSettings, sampling_probs
 from hybridlm.mixers import MIXERS
 from hybridlm.speculative import verify
@@ -114,6 +115,53 @@ def test_greedy_speculative_on_a_compiled_decoders_static_cache_equals_greedy():
         assert decoder.stats["draft_tokens"] > 0
         if speculative.draft_model is not None:  # crops after partial acceptance ran
             assert 0 < decoder.stats["acceptance_rate"] < 1
+
+
+POLICIES = {  # each rolls back past what it has aged: quantized groups, slots pushed out of the window
+    "quantized": CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2),
+    "quantized sinks+window": CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2, sink_tokens=2, window=8),
+    "sinks+window": CachePolicy(sink_tokens=2, window=6),
+    "paged": CachePolicy(page_size=4),
+}
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_greedy_speculative_equals_greedy_under_each_cache_policy(name, monkeypatch):
+    """With the same cache policy, both routes give plain greedy decoding's tokens; rejections roll the cache back
+    past its full-precision tail (quantized groups put back) and past the window (slots put back)."""
+    policy, crops = POLICIES[name], []
+    record = HybridCache.crop
+    monkeypatch.setattr(HybridCache, "crop", lambda cache, length: crops.append(
+        (cache.seen, cache.seen + length if length <= 0 else length, cache.states[0])) or record(cache, length))
+    target = tiny_model(0, layer_types=["attention", "mamba2"])
+    draft = perturbed_copy(target, 0.1)
+    expected = IncrementalDecoder(target, cache_policy=policy).generate(PROMPTS, max_new_tokens=24)
+    for speculative in (SpeculativeDecoding(draft_model=draft, num_draft_tokens=3),
+                        SpeculativeDecoding(prompt_lookup=2, num_draft_tokens=3)):
+        crops.clear()
+        decoder = IncrementalDecoder(target, cache_policy=policy, speculative=speculative)
+        assert torch.equal(decoder.generate(PROMPTS, max_new_tokens=24), expected)
+        target_crops = [(seen, stop, state) for seen, stop, state in crops if not isinstance(state, KVState)]
+        assert 0 <= decoder.stats["acceptance_rate"] < 1 and target_crops  # (the draft's cache has no policy)
+        if policy.kv_bits != 16:  # a crop put quantized groups back (the tail alone would not do)
+            assert any(state._canonical_left(stop) < state._canonical_left(seen) for seen, stop, state in target_crops)
+        if policy.window is not None:
+            assert any(stop > policy.sink_tokens + policy.window for _, stop, _ in target_crops)
+    ids = torch.tensor([PROMPTS[0]])
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False, cache_policy=policy)
+    for kwargs in (dict(assistant_model=draft), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(target.generate(ids, max_new_tokens=24, do_sample=False, cache_policy=policy, **kwargs),
+                           expected)
+
+
+def test_speculative_decoding_refuses_a_policy_that_cannot_roll_back_before_any_work():
+    target = tiny_model(0, layer_types=["attention", "mamba2"])
+    decoder = IncrementalDecoder(target, cache_policy=CachePolicy(heavy_hitters=2, window=4),
+                                 speculative=SpeculativeDecoding(prompt_lookup=2))
+    with pytest.raises(ValueError, match=r"state 0 \(attention, HeavyHitterKV\): H2O \(heavy hitters\) cannot roll "
+                                         "back.*without heavy_hitters"):
+        next(decoder.stream(PROMPTS, max_new_tokens=8))
+    assert decoder.stats["prefill_tokens"] == 0  # refused before the prefill
 
 
 @pytest.mark.parametrize("kwargs", [dict(assistant_model="draft"), dict(assistant_model="target"),

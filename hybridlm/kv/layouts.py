@@ -17,13 +17,14 @@ the next token is written into, counted by ``reserved_nbytes`` only.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
 from .. import rollback
 from ..states import LayerState, _tensor_nbytes
-from .base import DenseKV, KVView
-from .stepwise import is_verification_block, sink_query, stepwise_view
+from .base import DenseKV, KVView, Rotate
+from .stepwise import is_verification_block, stepwise_view
 
 
 def _zeros(batch, heads, slots, dim, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -257,7 +258,7 @@ class SinkWindowKV(_WindowKV):
             self.values.index_copy_(2, self._index(new_slots[kept]), values[:, :, kept])
             self.seen += time
         view = sink_window_view(self, raw_keys, view_values, slots, first, new_slots, rotate)
-        requery = sink_query(self, first, new_slots, rotate) if is_verification_block(first, time) else None
+        requery = sink_step_rotation(self, first, new_slots, rotate) if is_verification_block(first, time) else None
         return view if requery is None else stepwise_view(view, sink_query=requery)  # see hybridlm.kv.stepwise
 
 
@@ -270,14 +271,40 @@ def sink_window_view(state, raw_keys: torch.Tensor, values: torch.Tensor, slots:
     each row counts from its first real token. Shared by SinkWindowKV and QuantizedSinkWindowKV."""
     sinks, window = state.sinks, state.window
     shift = max(0, first - (window - 1) - sinks)  # slots dropped between the sinks and the window
-
-    def in_cache(positions: torch.Tensor) -> torch.Tensor:  # [n] -> [batch, n]
-        return (positions[None, :] - state.padding[:, None]).clamp(min=0)
-
-    key_positions = in_cache(torch.where(slots < sinks, slots, slots - shift))
+    key_positions = in_cache_positions(state, torch.where(slots < sinks, slots, slots - shift), shift)
     keys = rotate(raw_keys, key_positions) if rotate is not None else raw_keys
     return KVView(keys, values, slots, state._validity(slots), query_slots=new_slots,
-                  query_positions=in_cache(new_slots - shift), window=window, pinned=(slots < sinks).view(1, 1, -1))
+                  query_positions=in_cache_positions(state, new_slots - shift, shift), window=window,
+                  pinned=(slots < sinks).view(1, 1, -1))
+
+
+def in_cache_positions(state, positions: torch.Tensor, shift: int | torch.Tensor) -> torch.Tensor:
+    """``positions [n]`` (slots, those after the sinks moved down by ``shift``: an int or one per position) ->
+    ``[batch, n]`` counted from each row's first real token: less the padding slots still held (the padding
+    beyond the sinks leaves with the slots dropped; padding positions themselves clamp to 0)."""
+    padding = state.padding[:, None]  # [batch, 1]
+    shift = torch.as_tensor(shift, device=positions.device)
+    held_padding = padding - torch.minimum(shift, (padding - state.sinks).clamp(min=0))  # [batch, 1 or n]
+    return (positions[None, :] - held_padding).clamp(min=0)
+
+
+Rotation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def sink_step_rotation(state, first: int, new_slots: torch.Tensor, rotate: Rotate | None) -> Rotation | None:
+    """For a sinks + window layout (``state.sinks``, ``state.window``, ``state.padding``) and a block of queries
+    at ``new_slots [time]`` from slot ``first``: the function that rotates the block's queries (at the positions
+    :func:`sink_window_view` gave them) on to the positions their own decode steps give them, or None
+    where these agree (no sinks, no rotary embedding, or nothing dropped yet)."""
+    if rotate is None or not state.sinks:
+        return None
+    step_shift = (new_slots - (state.window - 1) - state.sinks).clamp(min=0)  # each query's own decode step
+    block_shift = max(0, first - (state.window - 1) - state.sinks)
+    delta = in_cache_positions(state, new_slots - step_shift, step_shift) - \
+        in_cache_positions(state, new_slots - block_shift, block_shift)  # [batch, time]
+    if not bool(delta.any()):
+        return None
+    return lambda q: rotate(q, delta)  # rotations compose: R(a) R(b) = R(a + b)
 
 
 @dataclasses.dataclass

@@ -41,9 +41,9 @@ import torch
 from .. import rollback
 from ..states import _tensor_nbytes
 from .base import KVView
-from .layouts import sink_window_view
+from .layouts import sink_step_rotation, sink_window_view
 from .quantize import _NEVER, QuantizedKV
-from .stepwise import is_verification_block, sink_query, stepwise_view
+from .stepwise import is_verification_block, stepwise_view
 
 
 @dataclasses.dataclass
@@ -130,7 +130,7 @@ class QuantizedSinkWindowKV(QuantizedKV):
         self._age(limit)  # after the view is taken: this forward reads its own tokens in full precision
         if not is_verification_block(first, time):
             return view
-        requery = sink_query(self, first, new_slots, rotate)
+        requery = sink_step_rotation(self, first, new_slots, rotate)
         if copies is None and requery is None:
             return view
         visible_from, visible_until = slots, torch.full_like(slots, _NEVER)

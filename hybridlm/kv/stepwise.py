@@ -62,25 +62,6 @@ def stepwise_view(view: KVView, visible_from: torch.Tensor | None = None, visibl
     return dataclasses.replace(view, in_order=False, attend=attend)  # the keys stay, for inspection
 
 
-def sink_query(state, first: int, new_slots: torch.Tensor, rotate) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """For a sinks + window layout (``state.sinks``, ``state.window``, ``state.padding``) and a block of queries
-    at ``new_slots [time]`` from slot ``first``: the function that rotates the block's queries (at the positions
-    :func:`~.layouts.sink_window_view` gave them) on to the positions their own decode steps give them, or None
-    where these agree (no sinks, no rotary embedding, or nothing dropped yet)."""
-    if rotate is None or not state.sinks:
-        return None
-
-    def in_cache(positions: torch.Tensor) -> torch.Tensor:  # [time] -> [batch, time], as sink_window_view
-        return (positions[None, :] - state.padding[:, None]).clamp(min=0)
-
-    step_shift = (new_slots - (state.window - 1) - state.sinks).clamp(min=0)  # each query's own decode step
-    block_shift = max(0, first - (state.window - 1) - state.sinks)
-    delta = in_cache(new_slots - step_shift) - in_cache(new_slots - block_shift)  # [batch, time]
-    if not bool(delta.any()):
-        return None
-    return lambda q: rotate(q, delta)  # rotations compose: R(a) R(b) = R(a + b)
-
-
 def _softmax_values(scores, values, allowed, scale, dim) -> torch.Tensor:
     """softmax(``scores [b, h, time, n]`` * scale, masked by ``allowed``) @ ``values [b, h, n, d]``, in at least
     fp32 (as SDPA's math path)."""

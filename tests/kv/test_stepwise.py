@@ -1,0 +1,56 @@
+"""A verification block (2 to 64 tokens on a warm cache) reads, token by token, what its own decode step would
+read (hybridlm.kv.stepwise): under every cache policy its logits equal decoding the block one token at a time,
+which is what makes greedy speculative decoding exactly greedy decoding. Control: for the layouts whose reading
+changes as the cache moves on (quantized KV, attention sinks), a block read the plain way differs."""
+
+import pytest
+import torch
+
+from hybridlm import CachePolicy
+from hybridlm.kv import layouts, quantize, quantized_window
+from hybridlm.kv.stepwise import is_verification_block
+from tests.helpers import assert_close_rel, random_ids, relative_error, tiny_model
+
+POLICIES = {
+    "full": ({}, None),
+    "ring": (dict(sliding_window=4), None),
+    "window": ({}, CachePolicy(window=4)),
+    "sinks+window": ({}, CachePolicy(sink_tokens=2, window=4)),
+    "quantized": ({}, CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2)),
+    "quantized sinks+window": ({}, CachePolicy(kv_bits=4, kv_group_size=4, kv_residual=2, sink_tokens=2, window=8)),
+    "paged": ({}, CachePolicy(page_size=4)),
+}
+READ_AS_STEPS = {"sinks+window", "quantized", "quantized sinks+window"}  # a plain multi-token reading differs
+
+
+@torch.no_grad()
+def block_and_steps(model, policy, prompt, block, mask):
+    """Logits of ``block`` in one forward and one token at a time, each after the same (left-padded) prefill."""
+    cache = model.new_cache(prompt.shape[0], policy=policy)
+    model(prompt, cache=cache, attention_mask=mask)
+    stepped = cache.snapshot()
+    in_one = model(block, cache=cache).logits
+    steps = torch.cat([model(block[:, i : i + 1], cache=stepped).logits for i in range(block.shape[1])], 1)
+    return in_one, steps
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_verification_block_reads_what_its_decode_steps_read(name, monkeypatch):
+    overrides, policy = POLICIES[name]
+    model = tiny_model(layer_pattern="AMA", **overrides)
+    prompt, block = random_ids(2, 11), random_ids(2, 8, seed=1)
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[0, :2] = False
+    in_one, steps = block_and_steps(model, policy, prompt, block, mask)
+    assert_close_rel(in_one, steps)
+    if name in READ_AS_STEPS:
+        for module in (layouts, quantize, quantized_window):
+            monkeypatch.setattr(module, "is_verification_block", lambda first, time: False)
+        plain, _ = block_and_steps(model, policy, prompt, block, mask)
+        assert relative_error(plain, steps) > 1e-3
+
+
+def test_which_forwards_are_verification_blocks():
+    assert is_verification_block(5, 2) and is_verification_block(5, 64)
+    assert not is_verification_block(0, 8)  # a prefill reads its own tokens in full precision (KIVI)
+    assert not is_verification_block(5, 1) and not is_verification_block(5, 65)
