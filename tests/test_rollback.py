@@ -226,8 +226,10 @@ def test_kv_layouts_crop_to_any_token_of_a_block(layout):
                    policy=policy)
 
 
-@pytest.mark.parametrize("layout", ["ring", "sinks+window"])
-def test_window_layouts_keep_pushed_out_slots_across_one_token_forwards(layout):
+@pytest.mark.parametrize("layout", ["ring", "sinks+window", "quantized", "quantized sinks+window"])
+def test_window_and_quantized_layouts_keep_what_they_age_across_one_token_forwards(layout):
+    """A draft model's one-token steps: asked, window layouts keep the slots they push out and quantized ones
+    the full-precision tokens they quantize (and the groups they evict), the last 5 slots' worth."""
     overrides, policy, *_ = LAYOUTS[layout]
     model = tiny_model(layer_pattern="A", **overrides)
     ids = random_ids(1, 14)
@@ -238,8 +240,9 @@ def test_window_layouts_keep_pushed_out_slots_across_one_token_forwards(layout):
     for i in range(6, 14):
         run(model, ids[:, i : i + 1], cache)
     assert cache.reserved_nbytes() > plain_reserved  # the kept slots are counted
-    with pytest.raises(ValueError, match="before its earliest kept checkpoint"):
-        cache.crop(-7)
+    too_far = -9 if layout == "quantized" else -7  # quantized KV keeps whole groups: here 8 tokens' worth
+    with pytest.raises(ValueError, match="before its earliest kept checkpoint|already left the window"):
+        cache.crop(too_far)
     cache.crop(8)
     reference = model.new_cache(1, policy=policy)
     run(model, ids[:, :8], reference)
