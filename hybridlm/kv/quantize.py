@@ -265,7 +265,8 @@ class QuantizedKV(KVLayout):
         last forward's is not kept."""
         limit = self.spill_limit or (time if is_verification_block(self.seen, time) else 0)
         if not limit:
-            self.spilled_keys = self.spilled_values = None
+            if self.spilled_keys is not None:  # (plain decoding writes nothing here)
+                self.spilled_keys = self.spilled_values = None
         elif self.spilled_keys is None or not self.spill_limit:
             self.spilled_keys = self.recent_keys[:, :, :0]
             self.spilled_values = self.recent_values[:, :, :0]
