@@ -1,8 +1,9 @@
 """Mamba-2's SSD chunked scan in Triton: :func:`hybridlm.ops.ssd.ssd_chunk_scan_ref` on the kernels of
 :mod:`.chunked_scan`.
 
-Fused in the kernels: the whole chunked scan (forward and backward), ``C . B^T`` once per chunk and group, the
-skip ``D x`` and the cast of the output. Plain torch around them: ``dt x`` and ``dt A`` (elementwise,
+Fused in the kernels: the whole chunked scan (forward and backward), ``dt x`` (a per-token scale of ``x``),
+``C . B^T`` once per chunk and group, the skip ``D x`` and the cast of the output. Plain torch around them:
+``dt A`` (one product per token and head, formed by the shared :func:`hybridlm.ops.ssd.ssd_through` and
 differentiated by autograd).
 
 Packed sequences given by ``cu_seqlens`` reach the kernels as that tensor: the chunk table is built on the device
