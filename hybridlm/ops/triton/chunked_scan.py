@@ -23,8 +23,9 @@ Fused into those kernels: the per-token dot products ``q.dq``, ``k.dk`` and the 
 out of ``chunk_scan`` with its outputs (``dot_with``); the scale's product ``dv * scale`` is its row scale;
 ``dq, dk`` of keys and queries shared by a group of heads are summed over the group's heads by ``chunk_scan``
 itself (relaxed atomic adds: their last bits may vary from run to run on the GPU); ``dS . S`` at each chunk's
-end comes out of ``state_passing`` (reversed), per block of the state. Plain torch between kernels: sums and
-differences of ``[batch, time, heads]`` and ``[n_chunks, heads]`` tensors.
+end comes out of ``state_passing`` (reversed), per block of the state; when the skip's input is ``v`` (SSD's
+``x``), its gradient ``dy * skip_weight`` is added in the ``dv`` pass. Plain torch between kernels: sums and
+differences of ``[batch, time, heads]`` and ``[n_chunks, heads]`` tensors, and the skip weight's gradient.
 Chunks never cross a sequence, so fixed-length batches and packed variable-length batches (one initial/final
 state per sequence) are the same code: a table of chunks, each a batch row and a time range.
 """
@@ -185,7 +186,7 @@ class _ChunkedScan(torch.autograd.Function):
         y = chunk_scan(q, k, v, entering, g_cum, chunks, skip=skip, skip_weight=weight, dtype=dtype,
                        scores=chunk_scores(q, k, chunks), scale=scale)
         ctx.save_for_backward(q, k, v, v_scale, g_cum, initial_state, skip, skip_weight)
-        ctx.chunks, ctx.decay_dtype = chunks, log_decay.dtype
+        ctx.chunks, ctx.decay_dtype, ctx.skip_is_v = chunks, log_decay.dtype, skip is v
         return y, final
 
     @staticmethod
@@ -207,9 +208,13 @@ class _ChunkedScan(torch.autograd.Function):
                               dot_with=q, out_groups=groups)
         dk, k_dk = chunk_scan(v, dy, q, d_after.transpose(2, 3), g_cum, chunks, reverse=True, scale=scale,
                               scale_rows=True, dtype=k.dtype, dot_with=k, out_groups=groups)
-        # dv is the gradient of v * scale: dv * scale for v (the row scale), v . dv for the scale (the dots)
+        # dv is the gradient of v * scale: dv * scale for v (the row scale), v . dv for the scale (the dots); when
+        # the skip's input is v itself (SSD's x), its gradient dy * weight is added in the same kernel
+        fused_skip = skip is not None and ctx.skip_is_v
+        weight = skip_weight.expand(v.shape[2], v.shape[3]) if fused_skip else None  # [heads, dim_v]
         dv = chunk_scan(k, q, dy, d_after, g_cum, chunks, reverse=True, dtype=v.dtype, scale=scale, scale_rows=True,
-                        scores=chunk_scores(q, k, chunks).transpose(2, 3), dot_with=v if scale is not None else None)
+                        scores=chunk_scores(q, k, chunks).transpose(2, 3), dot_with=v if scale is not None else None,
+                        skip=dy if fused_skip else None, skip_weight=weight)
         dv, d_scale = dv if scale is not None else (dv, None)
         d_cum = q_dq - (k_dk if scale is None else k_dk * scale)  # k_dk was taken before dk's row scale
         d_cum += _at_chunk_ends(end_dots, g_cum, chunks)
@@ -218,17 +223,18 @@ class _ChunkedScan(torch.autograd.Function):
             dq.to(q.dtype), dk.to(k.dtype), dv,
             d_scale.to(v_scale.dtype) if d_scale is not None else None,
             d_log_decay.to(ctx.decay_dtype), d_initial.to(initial_state.dtype) if initial_state is not None else None,
-            None, *_skip_gradients(dy, skip, skip_weight), None,
+            None, *_skip_gradients(dy, skip, skip_weight, in_dv=fused_skip), None,
         )
 
 
-def _skip_gradients(dy, skip, weight):
-    """Gradients of ``skip [batch, time, heads, dim_v]`` and ``weight [heads, 1 or dim_v]`` of ``skip * weight``."""
+def _skip_gradients(dy, skip, weight, in_dv: bool):
+    """Gradients of ``skip [batch, time, heads, dim_v]`` and ``weight [heads, 1 or dim_v]`` of ``skip * weight``
+    (``in_dv``: the skip's input is ``v``, whose gradient already holds the skip's: None for it)."""
     if skip is None:
         return None, None
     d_weight = (dy * skip.float()).sum((0, 1))
     d_weight = d_weight.sum(-1, keepdim=True) if weight.shape[-1] == 1 else d_weight
-    return (dy * weight.float()).to(skip.dtype), d_weight.to(weight.dtype)
+    return None if in_dv else (dy * weight.float()).to(skip.dtype), d_weight.to(weight.dtype)
 
 
 def chunked_decay_scan(q, k, v, log_decay, chunk_size: int, initial_state=None, sequences=None, skip=None,
