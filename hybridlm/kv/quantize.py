@@ -27,7 +27,7 @@ from .. import rollback
 from ..states import _tensor_nbytes
 from .base import KVLayout, KVView
 from .quantized_attention import QuantizedHistory
-from .stepwise import is_verification_block, stepwise_view
+from .stepwise import NEVER, is_verification_block, stepwise_view
 
 BITS = (2, 4, 8)
 
@@ -73,10 +73,6 @@ def roundtrip(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int) -
     value_codes, value_scale, value_zero = quantize(values.reshape(batch, heads, n, dim // group, group), bits, 4)
     return (dequantize(key_codes, key_scale, key_zero).view(batch, heads, n, dim),
             dequantize(value_codes, value_scale, value_zero).view(batch, heads, n, dim))
-
-
-#: a key no query slot stops seeing
-_NEVER = torch.iinfo(torch.long).max
 
 
 def _grown(buffer: torch.Tensor, used: int, needed: int) -> torch.Tensor:
@@ -194,9 +190,9 @@ class QuantizedKV(KVLayout):
         # ... unless it is a verification block: then each token reads what its own decode step would
         copy_keys, copy_values, copy_slots = copies
         all_slots = torch.cat([slots, copy_slots])
-        until = torch.where(slots < tail_start, _NEVER, self._quantized_from(slots))
+        until = torch.where(slots < tail_start, NEVER, self._quantized_from(slots))
         visible_from = torch.cat([slots, self._quantized_from(copy_slots)])
-        visible_until = torch.cat([until, torch.full_like(copy_slots, _NEVER)])
+        visible_until = torch.cat([until, torch.full_like(copy_slots, NEVER)])
         view.update(slots=all_slots, valid=self._validity(all_slots), in_order=False)
         return stepwise_view(KVView(torch.cat([view_keys, copy_keys], 2), torch.cat([view_values, copy_values], 2),
                                     **view), visible_from, visible_until)

@@ -24,6 +24,10 @@ Keys are stored before the rotary embedding (their position changes as the windo
 quantized before it too, and every read dequantizes then rotates: the fused decode path of
 :mod:`.quantized_attention`, which reads rotated codes, does not apply.
 
+Rollback (``crop``) is exact as QuantizedKV's; in addition a verification block (or ``keep_checkpoints(n)``)
+keeps the quantized groups it pushes out of the window, masked out, until they can no longer be needed (they
+count in ``reserved_nbytes``, not ``nbytes``), so that a crop can bring them back.
+
 Bytes per batch row with ``n`` token slots seen (``H`` key/value heads, ``D`` head_dim, ``e`` element size,
 ``b`` bits, ``g`` group, ``residual`` the capped one, ``s = min(n, sinks)``, ``m = n - s``)::
 
@@ -42,8 +46,8 @@ from .. import rollback
 from ..states import _tensor_nbytes
 from .base import KVView
 from .layouts import sink_step_rotation, sink_window_view
-from .quantize import _NEVER, QuantizedKV
-from .stepwise import is_verification_block, stepwise_view
+from .quantize import QuantizedKV
+from .stepwise import NEVER, is_verification_block, stepwise_view
 
 
 @dataclasses.dataclass
@@ -133,7 +137,7 @@ class QuantizedSinkWindowKV(QuantizedKV):
         requery = sink_step_rotation(self, first, new_slots, rotate)
         if copies is None and requery is None:
             return view
-        visible_from, visible_until = slots, torch.full_like(slots, _NEVER)
+        visible_from, visible_until = slots, torch.full_like(slots, NEVER)
         if copies is not None:
             tail = held >= tail_start
             visible_from = torch.cat([held, self._quantized_from(copies[2])])

@@ -29,6 +29,9 @@ from .. import ops, rollback
 from ..ops.attention import slot_mask
 from .base import KVView
 
+#: ``visible_until`` of a key that no later query slot stops seeing
+NEVER = torch.iinfo(torch.long).max
+
 
 def is_verification_block(first: int, time: int) -> bool:
     """A forward of ``time`` tokens after ``first`` slots: read as decode steps (see the module docstring)."""
