@@ -55,6 +55,10 @@ def parse_args(argv=None):
     add("--warm-cell", help="SEQ_LEN:KV_PAIRS: train every model on this (easier) cell for --warm-steps first, "
         "then on its own cell: a curriculum, as Zoology trains on a mix of easy and hard cells")
     add("--warm-steps", type=int, default=0, help="steps on --warm-cell (default: %(default)s, no warm-up cell)")
+    add("--mamba2-norm", choices=["gated", "norm_before_gate", "none"], default="gated",
+        help="Mamba-2's output gating (config field mamba2_norm; default: %(default)s, Mamba-2's rms_norm(y * "
+             "silu(z))). 'none' (y * silu(z)) learns the lookup far faster in hybrids on a CPU budget "
+             "(docs/mqar.md); it is recorded in each row")
     add("--vocab-size", type=int, help="keys and values split it in half (FULL: 8192, as in Zoology)")
     add("--workers", type=int, default=1, help="training runs in parallel, one thread each (default: %(default)s)")
     add("--resume", action="store_true", help="keep the rows already in OUT/results.json and run the rest")
@@ -127,7 +131,8 @@ def run_job(job: dict, args) -> dict:
     seq_len, kv_pairs = job["seq_len"], job["kv_pairs"]
     train_rows, test_rows = cell_rows(seq_len, kv_pairs, args.vocab_size, args.train_rows, args.test_rows,
                                       args.seed, args.pair_mix)
-    config = mqar_config(job["mixer"], job["hidden_size"], job["state_size"], seq_len, args.vocab_size)
+    config = mqar_config(job["mixer"], job["hidden_size"], job["state_size"], seq_len, args.vocab_size,
+                         mamba2_norm=args.mamba2_norm)
     torch.manual_seed(args.seed)
     model = HybridForCausalLM(config)
     name = "-".join(str(job[k]) for k in ("mixer", "hidden_size", "state_size", "seq_len", "kv_pairs", "lr"))
@@ -149,7 +154,7 @@ def run_job(job: dict, args) -> dict:
                 parameters=sum(p.numel() for p in model.parameters()), steps=args.steps,
                 batch_size=args.batch_size, train_rows=args.train_rows, test_rows=args.test_rows,
                 pair_mix=args.pair_mix, warm_cell=args.warm_cell and ":".join(map(str, args.warm_cell)),
-                warm_steps=args.warm_steps,
+                warm_steps=args.warm_steps, mamba2_norm=args.mamba2_norm,
                 train_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)
 
 

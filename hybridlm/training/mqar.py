@@ -23,12 +23,12 @@ import torch.nn.functional as F
 IGNORE = -100
 #: The model shapes of the benchmark: ``layer_pattern`` of each named mixer (Zoology's 2 layers; the hybrids
 #: and their all-Mamba-2 twin have 4). The hybrids put attention last in each group, after the Mamba-2 layers
-#: whose convolutions can shift the previous token in. ``conv-attention`` stands for Zoology's attention baseline
-#: (there a width-3 BaseConv layer, then attention): each attention layer here follows a short convolution
-#: (LFM2's gated one, width 3), which hands attention the previous token; plain ``attention`` must learn that
-#: shift itself, and on a CPU budget it learns it slowly (docs/mqar.md).
+#: whose convolutions can shift the previous token in. ``conv-attention`` is Zoology's attention baseline: 2
+#: layers, a width-3 convolution (here LFM2's gated short convolution; there BaseConv), then attention. The
+#: convolution hands attention the previous token; plain ``attention`` must learn that shift itself, and on a CPU
+#: budget it learns it slowly (docs/mqar.md).
 MIXER_PATTERNS = {
-    "attention": "AA", "conv-attention": "CACA", "mamba": "MM", "mamba2": "SS", "performer": "PP",
+    "attention": "AA", "conv-attention": "CA", "mamba": "MM", "mamba2": "SS", "performer": "PP",
     "linformer": "LL", "mamba2-4layer": "SSSS", "hybrid-1:1": "SASA", "hybrid-1:3": "SSSA",
 }
 #: Letters of the layer kinds whose state has no size to choose (attention's grows, the short conv's is its
@@ -168,11 +168,13 @@ def answer_accuracy(model, rows: MQARRows, batch_size: int = 64) -> float:
     return correct / max(total, 1)
 
 
-def mqar_config(mixer: str, hidden_size: int, state_size: int | None, seq_len: int, vocab_size: int = 8192):
+def mqar_config(mixer: str, hidden_size: int, state_size: int | None, seq_len: int, vocab_size: int = 8192,
+                mamba2_norm: str = "gated"):
     """The :class:`~hybridlm.HybridConfig` of benchmark model ``mixer`` (a key of :data:`MIXER_PATTERNS`):
     no MLPs (Zoology's MQAR models are mixers only), tied embeddings, heads of width 32. ``state_size`` is the
     recurrent state dimension of the fixed-state kinds (Mamba/Mamba-2 ``d_state``, Performer features,
-    Linformer rank); attention and conv-attention have none."""
+    Linformer rank); attention and conv-attention have none. ``mamba2_norm``: Mamba-2's output gating
+    (:class:`~hybridlm.HybridConfig` field of that name)."""
     from ..config import HybridConfig
 
     if mixer not in MIXER_PATTERNS:
@@ -189,7 +191,7 @@ def mqar_config(mixer: str, hidden_size: int, state_size: int | None, seq_len: i
         tie_word_embeddings=True, num_attention_heads=max(1, hidden_size // 32), head_dim=min(32, hidden_size),
         mamba_d_state=state, mamba2_d_state=state, mamba2_head_dim=min(32, hidden_size), mamba2_chunk_size=64,
         performer_num_features=state, linformer_rank=state, linformer_max_length=seq_len,
-        max_position_embeddings=None, eos_token_id=None,
+        max_position_embeddings=None, eos_token_id=None, mamba2_norm=mamba2_norm,
     )
 
 
