@@ -97,6 +97,19 @@ def test_packed_sequences_in_latent_space():
         assert_close_rel(packed[1:, :7], expanded(x[1:, :7]), rel=1e-12)
 
 
+def test_latent_form_gradients_equal_the_expanded_forms():
+    """Training through the latent form (chosen when ``kv_lora_rank`` is small against nope + v): every weight's
+    gradient equals the expanded form's in float64."""
+    latent, expanded, config = two_forms(mla_q_lora_rank=10)
+    x = torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    weights = torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(10), dtype=torch.float64)
+    for mixer in (latent, expanded):
+        (mixer(x) * weights).sum().backward()
+    for (name, got), want in zip(latent.named_parameters(), expanded.parameters()):
+        assert got.grad is not None, f"{name} got no gradient"
+        assert_close_rel(got.grad, want.grad, rel=1e-10)
+
+
 def test_decode_attends_in_latent_space_and_long_forwards_expand(monkeypatch):
     """The multiply-add count picks the form: a decode step or a short piece over a long cache in latent space
     (no expansion at all), prefill expanded; at Kimi Linear's shape the crossover is ~150 new tokens over a 1K
