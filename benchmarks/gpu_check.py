@@ -35,15 +35,18 @@ class Step:
     dry_run_only: bool = False  # what a GPU run measures directly
 
 
+#: In the order of what a short GPU loan must not lose: correctness first, the benchmarks last. The timeouts add
+#: up to more than the default budget on purpose: each step gets at most what is left, so a slow step early
+#: squeezes the benchmarks, never the checks before them.
 STEPS = (
     Step("environment", 60, gpu=False),
     Step("reverse_scan", 60, gpu=False),
     Step("kernels", 150, gpu=False),
     Step("compile_sm90", 1800, gpu=False, dry_run_only=True),  # about 100 compiles on the CPU
-    Step("large_probe", 60, gpu=True),
-    Step("benchmarks", 180, gpu=False),
     Step("cuda_build", 180, gpu=True),
     Step("gpu_tests", 240, gpu=True),
+    Step("large_probe", 60, gpu=True),
+    Step("benchmarks", 180, gpu=False),
 )
 
 
