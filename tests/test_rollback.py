@@ -38,7 +38,8 @@ def contents(state: LayerState) -> dict[str, torch.Tensor]:
     if isinstance(state, QuantizedSinkWindowKV):  # the sinks and what a later query sees (not the groups kept
         pending = state._pending()                # past the window for a rollback)
         old_keys, old_values = state.dequantized()
-        return {"sinks": torch.cat([state.sink_keys, state.sink_values], 2)[:, :, : 2 * state.held_sinks],
+        sinks = state.held_sinks
+        return {"sinks": torch.cat([state.sink_keys[:, :, :sinks], state.sink_values[:, :, :sinks]], 2),
                 "old_keys": old_keys[:, :, pending:], "old_values": old_values[:, :, pending:],
                 "padding": state.padding, "keys": state.recent_keys[:, :, : state.recent],
                 "values": state.recent_values[:, :, : state.recent],

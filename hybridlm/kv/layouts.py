@@ -98,8 +98,10 @@ class _WindowKV(_FixedKV):
         self.spilled_values = torch.cat([values[:, :, :0], *parts_v], 2)[:, :, -limit:]
 
     def rewind_blocker(self, tokens: int) -> str | None:
-        end = self._pushed_out(self.seen)
-        needed = end - max(self.pinned, self.seen - tokens - self.window + 1)
+        end, oldest = self._pushed_out(self.seen), max(self.pinned, self.seen - tokens - self.window + 1)
+        # the spill (the slots just before ``end``) must reach back to the oldest slot a later query sees, unless
+        # the crop goes back before every pushed-out slot
+        needed = end - oldest if oldest < min(end, self.seen - tokens) else 0
         kept = 0 if self.spilled_keys is None else self.spilled_keys.shape[2]
         if needed <= kept:
             return None
@@ -113,9 +115,10 @@ class _WindowKV(_FixedKV):
         new_end = self._pushed_out(self.seen)
         first, last = max(new_end, end - kept), min(end, self.seen)  # slots back in the ring: [first, last)
         if first < end:
-            index = self._index(torch.arange(first, last, device=self.keys.device))
-            self.keys.index_copy_(2, index, self.spilled_keys[:, :, first - end + kept : last - end + kept])
-            self.values.index_copy_(2, index, self.spilled_values[:, :, first - end + kept : last - end + kept])
+            if first < last:  # (none when the crop reaches back before them: they are forgotten too)
+                index = self._index(torch.arange(first, last, device=self.keys.device))
+                self.keys.index_copy_(2, index, self.spilled_keys[:, :, first - end + kept : last - end + kept])
+                self.values.index_copy_(2, index, self.spilled_values[:, :, first - end + kept : last - end + kept])
             self.spilled_keys = self.spilled_keys[:, :, : first - end + kept]
             self.spilled_values = self.spilled_values[:, :, : first - end + kept]
         if self.has_padding:

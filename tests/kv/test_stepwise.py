@@ -5,11 +5,14 @@ changes as the cache moves on (quantized KV, attention sinks), a block read the 
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridlm import CachePolicy
 from hybridlm.kv import layouts, quantize, quantized_window
 from hybridlm.kv.stepwise import is_verification_block
 from tests.helpers import assert_close_rel, random_ids, relative_error, tiny_model
+from tests.test_rollback import check_rollback
 
 POLICIES = {
     "full": ({}, None),
@@ -54,3 +57,30 @@ def test_which_forwards_are_verification_blocks():
     assert is_verification_block(5, 2) and is_verification_block(5, 64)
     assert not is_verification_block(0, 8)  # a prefill reads its own tokens in full precision (KIVI)
     assert not is_verification_block(5, 1) and not is_verification_block(5, 65)
+
+
+def random_policy(kind, bits, group, residual, sinks, window):
+    quantized = dict(kv_bits=bits, kv_group_size=group, kv_residual=residual)
+    return {"ring": None, "quantized": CachePolicy(**quantized),
+            "sinks+window": CachePolicy(sink_tokens=sinks, window=window),
+            "quantized sinks+window": CachePolicy(**quantized, sink_tokens=sinks, window=window)}[kind]
+
+
+@settings(max_examples=8, deadline=None)
+@given(kind=st.sampled_from(["ring", "quantized", "sinks+window", "quantized sinks+window"]),
+       bits=st.sampled_from([2, 4, 8]), group=st.sampled_from([2, 4]), residual=st.integers(0, 6),
+       sinks=st.integers(0, 3), window=st.integers(3, 9), warm=st.integers(1, 14), k=st.integers(2, 9),
+       padding=st.integers(0, 4), seed=st.integers(0, 99))
+def test_random_policies_crop_exactly_and_read_blocks_as_steps(kind, bits, group, residual, sinks, window, warm, k,
+                                                               padding, seed):
+    """Random policy parameters (a sliding-window layer's ring too), lengths and left padding: cropping to each
+    token of a verified block equals a forward that stopped there (tests/test_rollback.py's check), and the
+    block's logits equal its decode steps'."""
+    policy = random_policy(kind, bits, group, residual, sinks, window)
+    model = tiny_model(seed, layer_pattern="AM", **({"sliding_window": window} if kind == "ring" else {}))
+    prompt, block = random_ids(2, warm, seed=seed), random_ids(2, k, seed=seed + 1)
+    mask = torch.ones(2, warm, dtype=torch.bool)
+    mask[0, : min(padding, warm - 1)] = False
+    check_rollback(model, prompt, block, random_ids(2, 2, seed=seed + 2), mask, policy=policy)
+    in_one, steps = block_and_steps(model, policy, prompt, block, mask)
+    assert_close_rel(in_one, steps)
