@@ -281,9 +281,8 @@ class QuantizedKV(KVLayout):
 
     def _trim_spill(self, limit: int) -> None:
         if self.spilled_keys is not None:
-            keep = self._left() - self._canonical_left(max(0, self.seen - limit))
-            self.spilled_keys = self.spilled_keys[:, :, self.spilled_keys.shape[2] - keep :]
-            self.spilled_values = self.spilled_values[:, :, self.spilled_values.shape[2] - keep :]
+            drop = max(0, self._kept() - (self._left() - self._canonical_left(max(0, self.seen - limit))))
+            self.spilled_keys, self.spilled_values = self.spilled_keys[:, :, drop:], self.spilled_values[:, :, drop:]
 
     def _kept(self) -> int:
         return 0 if self.spilled_keys is None else self.spilled_keys.shape[2]

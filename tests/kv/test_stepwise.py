@@ -5,14 +5,14 @@ changes as the cache moves on (quantized KV, attention sinks), a block read the 
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hybridlm import CachePolicy
 from hybridlm.kv import layouts, quantize, quantized_window
 from hybridlm.kv.stepwise import is_verification_block
 from tests.helpers import assert_close_rel, random_ids, relative_error, tiny_model
-from tests.test_rollback import check_rollback
+from tests.test_rollback import assert_same_cache, check_rollback, run
 
 POLICIES = {
     "full": ({}, None),
@@ -84,3 +84,38 @@ def test_random_policies_crop_exactly_and_read_blocks_as_steps(kind, bits, group
     check_rollback(model, prompt, block, random_ids(2, 2, seed=seed + 2), mask, policy=policy)
     in_one, steps = block_and_steps(model, policy, prompt, block, mask)
     assert_close_rel(in_one, steps)
+
+
+@settings(max_examples=6, deadline=None)
+@given(kind=st.sampled_from(["quantized", "sinks+window", "quantized sinks+window"]), bits=st.sampled_from([2, 4, 8]),
+       group=st.sampled_from([2, 4]), residual=st.integers(0, 6), sinks=st.integers(0, 3), window=st.integers(3, 9),
+       keep=st.integers(1, 6), seed=st.integers(0, 99),
+       ops=st.lists(st.tuples(st.sampled_from(["step", "block", "crop"]), st.integers(1, 6)), min_size=1, max_size=8))
+@example(kind="quantized", bits=2, group=2, residual=0, sinks=0, window=3, keep=5, seed=0,
+         ops=[("step", 1), ("step", 1), ("step", 1), ("crop", 3)])  # more kept than one group's worth
+def test_random_decoding_and_crops_with_kept_checkpoints(kind, bits, group, residual, sinks, window, keep, seed, ops):
+    """A draft model's life under ``keep_checkpoints(keep)``: one-token steps, blocks and crops in any order. A crop
+    of at most what the kept checkpoints cover (``keep`` slots, less what earlier crops used) is allowed, and every
+    allowed crop equals a cache that was fed only the tokens kept."""
+    policy = random_policy(kind, bits, group, residual, sinks, window)
+    model = tiny_model(seed, layer_pattern="A")
+    ids = random_ids(1, 64, seed=seed)
+    cache, seen, budget = model.new_cache(1, policy=policy), 5, 0
+    run(model, ids[:, :seen], cache)
+    cache.keep_checkpoints(keep)
+    for op, n in ops:
+        if op == "crop":
+            back = min(n, seen - 1)
+            reason = cache.states[0].rewind_blocker(back)
+            assert reason is None or back > budget, reason
+            if reason is None:
+                cache.crop(seen - back)
+                seen, budget = seen - back, max(0, budget - back)
+                reference = model.new_cache(1, policy=policy)
+                run(model, ids[:, :seen], reference)
+                assert_same_cache(cache, reference)
+            continue
+        time = 1 if op == "step" else n + 1
+        for start in range(seen, seen + time, 1 if op == "step" else time):
+            run(model, ids[:, start : start + (1 if op == "step" else time)], cache)
+        seen, budget = seen + time, min(keep, budget + time)
