@@ -10,6 +10,13 @@ The most recent tokens stay in full precision (at least ``residual``, fewer than
 packed along the channels: one int8, two int4 or four int2 per byte. Multi-token reads dequantize (the reference
 path); one-token decode steps attend from the codes directly (:mod:`.quantized_attention`).
 
+Which tokens are codes depends only on how many were seen (groups are aligned to slot 0 and quantized once
+``residual`` newer tokens follow), never on how the forwards were split; so a crop can return exactly to what a
+cache that stopped there holds: the groups quantized since go (their scales came from tokens being dropped, or
+from tokens the shorter cache has not quantized yet) and their tokens come back to the full-precision tail from
+copies kept as they were quantized (:meth:`QuantizedKV.rewind`). A verification block reads each of its tokens as
+its own decode step would (:mod:`.stepwise`).
+
 Bytes per batch row with ``n`` tokens seen, ``q = group * floor(max(0, n - residual) / group)`` of them
 quantized (``H`` key/value heads, ``D`` head_dim, ``e`` element size of the model dtype, ``b`` bits)::
 
