@@ -11,15 +11,22 @@ from ._common import cdiv, mm, program_id64, running_total, total, tuned
 
 
 @triton.jit
+def chunk_bounds(TABLE, n_chunks, c):
+    """``(row, start, end)`` of chunk ``c`` in the packed chunk table ``[3, n_chunks]`` (int64 offsets)."""
+    row = tl.load(TABLE + c).to(tl.int64)
+    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
+    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
+    return row, start, end
+
+
+@triton.jit
 def _chunk_cumsum_kernel(
     X, OUT, TABLE, n_chunks, time, sx_b, sx_t, sx_h, REVERSE: tl.constexpr, BLOCK_L: tl.constexpr
 ):
     """OUT[b, t, h] = sum of X over the chunk up to t (inclusive; from t to the chunk end when REVERSE)."""
     c, h = program_id64(0), program_id64(1)
     n_heads = tl.num_programs(1)
-    row = tl.load(TABLE + c).to(tl.int64)
-    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
-    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
+    row, start, end = chunk_bounds(TABLE, n_chunks, c)
     t = start + tl.arange(0, BLOCK_L)
     mask = t < end
     x = tl.load(X + row * sx_b + t * sx_t + h * sx_h, mask=mask, other=0.0).to(tl.float32)
@@ -41,9 +48,7 @@ def _chunk_state_kernel(
     n_vb = cdiv(DV, BLOCK_V)
     h, vb = pid // n_vb, pid % n_vb
     n_heads = tl.num_programs(1) // n_vb
-    row = tl.load(TABLE + c).to(tl.int64)
-    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
-    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
+    row, start, end = chunk_bounds(TABLE, n_chunks, c)
     g_row = G + row * time * n_heads + h
     g_end = tl.load(g_row + (end - 1) * n_heads, mask=end > start, other=0.0)  # (a spare chunk: empty)
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -96,8 +101,7 @@ def _state_passing_kernel(
         else:
             c = first + i
         tl.store(OUT + (c * n_heads + h) * SIZE + offs, state, mask=mask)
-        row = tl.load(TABLE + c).to(tl.int64)
-        end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
+        row, _, end = chunk_bounds(TABLE, n_chunks, c)
         decay = tl.exp(tl.load(G + (row * time + end - 1) * n_heads + h))
         if HAS_END_DOTS:
             after = tl.load(FWD_ENTERING + (c * n_heads + h) * SIZE + offs, mask=mask, other=0.0) * decay
@@ -122,9 +126,7 @@ def _chunk_scores_kernel(
     n_groups = tl.num_programs(2) // n_nb
     if nb * BLOCK_N > mb * BLOCK_M + BLOCK_M - 1:  # entirely above the diagonal
         return
-    row = tl.load(TABLE + c).to(tl.int64)
-    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
-    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
+    row, start, end = chunk_bounds(TABLE, n_chunks, c)
     offs_i = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_j = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = start + offs_i < end, start + offs_j < end
@@ -173,9 +175,7 @@ def _chunk_scan_kernel(
     n_vb = cdiv(DV, BLOCK_V)
     h, vb = pid // n_vb, pid % n_vb
     n_heads = tl.num_programs(2) // n_vb
-    row = tl.load(TABLE + c).to(tl.int64)
-    start = tl.load(TABLE + n_chunks + c).to(tl.int64)
-    end = tl.load(TABLE + 2 * n_chunks + c).to(tl.int64)
+    row, start, end = chunk_bounds(TABLE, n_chunks, c)
     m0 = start + mb * BLOCK_M
     if m0 >= end:
         return
