@@ -11,9 +11,14 @@ itself is a pure tensor program: with a static cache (:mod:`hybridlm.kv.static`)
 
 from __future__ import annotations
 
+import types
+
 import torch
+from torch._dynamo.utils import counters
 
 from .cache import HybridCache
+from .ops.backends import in_use_backend_block
+from .states import layout_of
 
 
 def decode_logits(model, ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
@@ -29,22 +34,78 @@ class DecodeStep:
 
     ``compile=True`` runs :func:`decode_logits` through ``torch.compile`` (``fullgraph=True``: a graph break is
     an error, not a silent slowdown) with ``mode`` (default: ``"reduce-overhead"``, i.e. CUDA graphs, on CUDA;
-    inductor's default on CPU). A compiled step needs a static cache: with a growing one every step would have
-    new shapes and recompile."""
+    inductor's default on CPU) and ``backend`` (``torch.compile``'s). A compiled step needs a static cache: with a growing one every step would have
+    new shapes and recompile; and it runs ``HYBRIDLM_BACKEND``'s kernels (compiled code cannot read a
+    ``use_backend`` block, so it refuses to run inside one).
 
-    def __init__(self, model, compile: bool = False, mode: str | None = None):
+    The compiled step is specialised to the model's weights and to each cache layout it meets, which is what
+    makes a small model's step cheap (about 15% of a batch-1 step on CPU, ``benchmarks/decode_speed.py``):
+
+    * the weights are constants of the compiled code (inductor's ``freezing``: folded, prepacked for the CPU's
+      matmuls; on CPU the graph's wrapper is C++, ``cpp_wrapper``). Before each step it reads every weight's
+      version counter and storage (~30 us) and recompiles when one changed (an in-place update, a reload,
+      ``model.to(dtype)``);
+    * once a step of a layout (token batch, cache signature, capacity and policy, state kinds, grad mode) has run
+      through dynamo's guards without compiling, the layout's later steps skip them
+      (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): the guards held for a step like them, and
+      what they check is what the layout names. Swapping a submodule after the first step is not noticed:
+      build a new step.
+    """
+
+    def __init__(self, model, compile: bool = False, mode: str | None = None, backend: str = "inductor"):
         self.model, self.compiled = model, compile
         self._logits = decode_logits
         if compile:
             device = model.lm_head.weight.device
-            mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
-            self._logits = torch.compile(decode_logits, fullgraph=True, dynamic=False, mode=mode)
+            self._backend = backend
+            self._mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
+            self._inductor_settings = {"freezing": True, "cpp_wrapper": device.type == "cpu"}
+            self._weights = [*model.parameters(), *model.buffers()]
+            self._recompile()
+
+    def _recompile(self) -> None:
+        """A fresh compiled step: its own copy of :func:`decode_logits`' code object, so dynamo's cache (kept per
+        code object) holds only this step's graphs, never another model's or older weights'."""
+        private = types.FunctionType(decode_logits.__code__.replace(), decode_logits.__globals__, "decode_logits")
+        self._logits = torch.compile(private, fullgraph=True, dynamic=False, backend=self._backend,
+                                     mode=self._mode if self._backend == "inductor" else None)
+        self._compiled_weights = self._weights_state()
+        self._trusted: set[tuple] = set()  # layouts whose guards held on a step that compiled nothing
+
+    def _weights_state(self) -> list[tuple[int, int]]:
+        return [(weight._version, weight.data_ptr()) for weight in self._weights]
+
+    def _layout(self, tokens: torch.Tensor, cache: HybridCache) -> tuple:
+        """What the compiled graph is specialised on, besides the weights and the model's structure."""
+        return (layout_of(tokens), layout_of(cache.positions), cache.signature, cache.capacity, repr(cache.policy),
+                tuple(state.compile_layout() for state in cache.states), torch.is_grad_enabled(),
+                torch.is_inference_mode_enabled(), self.model.training)
 
     def __call__(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-        if self.compiled and cache.capacity is None:
-            raise ValueError("a compiled decode step needs a static cache: model.new_cache(batch, max_length=..., "
-                             "static=True)")
+        if self.compiled:
+            if cache.capacity is None:
+                raise ValueError("a compiled decode step needs a static cache: model.new_cache(batch, "
+                                 "max_length=..., static=True)")
+            if in_use_backend_block():
+                raise ValueError("a compiled decode step runs HYBRIDLM_BACKEND's kernels and cannot see a "
+                                 "use_backend block: set HYBRIDLM_BACKEND, or decode eagerly")
         cache.check_room(1)
-        logits = self._logits(self.model, tokens[:, None], cache)
+        logits = self._compiled_step(tokens, cache) if self.compiled else self._logits(self.model, tokens[:, None],
+                                                                                         cache)
         cache.advance(None, 1)
+        return logits
+
+    def _compiled_step(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        if self._weights_state() != self._compiled_weights:
+            self._recompile()
+        layout = self._layout(tokens, cache)
+        if layout in self._trusted:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._logits(self.model, tokens[:, None], cache)
+        graphs = counters["stats"]["unique_graphs"]
+        # inductor reads these where torch.compile's ``options`` do not reach (its freezing pass); the patch does
+        with torch._inductor.config.patch(self._inductor_settings):
+            logits = self._logits(self.model, tokens[:, None], cache)
+        if counters["stats"]["unique_graphs"] == graphs:  # guarded, and no new graph: an earlier step's held
+            self._trusted.add(layout)
         return logits

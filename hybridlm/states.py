@@ -30,9 +30,33 @@ from . import rollback
 def _tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
+def layout_of(value) -> object:
+    """A hashable description of what compiled code specialises on in ``value`` (see
+    :meth:`LayerState.compile_layout`)."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.stride(), value.dtype, value.device
+    if isinstance(value, LayerState):
+        return value.compile_layout()
+    if isinstance(value, dict):
+        return tuple((key, layout_of(item)) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(layout_of(item) for item in value)
+    return value if isinstance(value, (int, float, str, bool, type(None))) else type(value)
+
+
 @dataclasses.dataclass
 class LayerState:
     """Base of all states: tensor fields have the batch on dim 0; other fields are plain metadata."""
+
+    #: plain fields that every step advances outside a compiled step (in :meth:`advance`); the step never reads them
+    step_counters: ClassVar[tuple[str, ...]] = ()
+
+    def compile_layout(self) -> tuple:
+        """What a compiled decode step specialises on in this state (:class:`~hybridlm.decode.DecodeStep`): each
+        tensor field's shape, strides, dtype and device, each plain field's value except :attr:`step_counters`,
+        the type of anything else."""
+        return (type(self), *(layout_of(getattr(self, field.name)) for field in dataclasses.fields(self)
+                              if field.name not in self.step_counters))
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

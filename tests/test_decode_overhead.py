@@ -172,7 +172,63 @@ def test_compiled_decoder_equals_eager():
     cache = model.new_cache(2, max_length=256, static=True)
     model(ids[:, :6], cache=cache)
     expected = decode_logits(model, ids[:, 6:7], cache.snapshot())
-    assert_close_rel(compiled.decode_step(ids[:, 6], cache), expected, rel=1e-5)
+    assert_close_rel(compiled.decode_step(ids[:, 6], cache), expected, rel=1e-5)  # strided ids: a new layout
+
+    # the weights are constants of the compiled code: changing them in place recompiles
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)
+    assert torch.equal(compiled.generate(prompts, max_new_tokens=5),
+                       IncrementalDecoder(model).generate(prompts, max_new_tokens=5))
+
+
+def test_a_compiled_step_trusts_a_layout_only_after_a_guarded_step_compiled_nothing():
+    """Guards are skipped only for layouts (tokens, cache tensors' shapes and strides, plain state fields, grad
+    mode) whose guards held on a step that compiled no new graph; anything else runs guarded (and compiles if
+    it must). The eager backend keeps this fast: what is tested is the bookkeeping, not inductor."""
+    from torch._dynamo.utils import counters
+
+    model = tiny_model(layer_pattern="SA", mlp_types=["none", "none"])
+    step = DecodeStep(model, compile=True, backend="eager")
+    ids = random_ids(2, 12)
+    cache = model.new_cache(2, max_length=12, static=True)
+    history = []  # per step: (trusted before it ran, graphs it compiled)
+    with torch.no_grad():
+        model(ids[:, :4], cache=cache)
+        reference = cache.snapshot()
+        for t in range(4, 9):
+            trusted, graphs = step._layout(ids[:, t], cache) in step._trusted, counters["stats"]["unique_graphs"]
+            logits = step(ids[:, t], cache)
+            history.append((trusted, counters["stats"]["unique_graphs"] - graphs))
+            assert_close_rel(logits, decode_logits(model, ids[:, t:t + 1], reference), rel=1e-6)
+            reference.advance(None, 1)
+        assert history[0] == (False, 1) and history[-1] == (True, 0)
+        assert all(not trusted for (trusted, _), (_, compiled) in zip(history[1:], history) if compiled)
+        one_row, rows = cache.select(torch.tensor([1])), reference.select(torch.tensor([1]))
+        assert step._layout(ids[1:, 9], one_row) not in step._trusted
+        assert_close_rel(step(ids[1:, 9], one_row), decode_logits(model, ids[1:, 9:10], rows), rel=1e-6)
+
+
+def test_compile_layouts_tell_apart_what_the_step_reads():
+    """Tensor strides and plain fields are part of a state's layout; the static KV's Python length (advanced
+    outside the step) is not."""
+    model = tiny_model(layer_pattern="SA", mlp_types=["none", "none"])
+    cache = model.new_cache(2, max_length=12, static=True)
+    ssm, kv = cache.states
+    before = [state.compile_layout() for state in cache.states]
+    kv.advance(1)
+    assert kv.compile_layout() == before[1]
+    ssm.checkpoint_limit = 4
+    assert ssm.compile_layout() != before[0]
+    ssm.checkpoint_limit, ssm.conv = 0, ssm.conv.transpose(1, 2).contiguous().transpose(1, 2)
+    assert ssm.compile_layout() != before[0]
+
+
+def test_a_compiled_step_refuses_a_use_backend_block():
+    from hybridlm.ops import use_backend
+
+    model = tiny_model(layer_pattern="A")
+    with use_backend("torch"), pytest.raises(ValueError, match="use_backend"):
+        DecodeStep(model, compile=True)(torch.tensor([1]), model.new_cache(1, max_length=8, static=True))
 
 
 

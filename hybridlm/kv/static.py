@@ -30,6 +30,7 @@ class StaticKV(KVState):
     the slots written so far, padding included) on the device."""
 
     filled: torch.Tensor | None = None
+    step_counters = ("length",)  # the step reads ``filled`` on the device instead
 
     @classmethod
     def from_state(cls, state: KVState) -> StaticKV:
