@@ -34,9 +34,9 @@ class DecodeStep:
 
     ``compile=True`` runs :func:`decode_logits` through ``torch.compile`` (``fullgraph=True``: a graph break is
     an error, not a silent slowdown) with ``mode`` (default: ``"reduce-overhead"``, i.e. CUDA graphs, on CUDA;
-    inductor's default on CPU) and ``backend`` (``torch.compile``'s). A compiled step needs a static cache: with a growing one every step would have
-    new shapes and recompile; and it runs ``HYBRIDLM_BACKEND``'s kernels (compiled code cannot read a
-    ``use_backend`` block, so it refuses to run inside one).
+    inductor's default on CPU) and ``backend`` (``torch.compile``'s). A compiled step needs a static cache:
+    with a growing one every step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels
+    (compiled code cannot read a ``use_backend`` block, so it refuses to run inside one).
 
     The compiled step is specialised to the model's weights and to each cache layout it meets, which is what
     makes a small model's step cheap (about 15% of a batch-1 step on CPU, ``benchmarks/decode_speed.py``):
@@ -59,8 +59,12 @@ class DecodeStep:
             device = model.lm_head.weight.device
             self._backend = backend
             self._mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
-            self._inductor_settings = {"freezing": True, "cpp_wrapper": device.type == "cpu"}
             self._weights = [*model.parameters(), *model.buffers()]
+            # inference tensors (a model made under torch.inference_mode) keep no version counter, so changes to
+            # them could not be seen: they stay inputs of the graph, read at every step
+            freeze = not any(weight.is_inference() for weight in self._weights)
+            self._weights = self._weights if freeze else []
+            self._inductor_settings = {"freezing": freeze, "cpp_wrapper": device.type == "cpu"}
             self._recompile()
 
     def _recompile(self) -> None:

@@ -208,6 +208,19 @@ def test_a_compiled_step_trusts_a_layout_only_after_a_guarded_step_compiled_noth
         assert_close_rel(step(ids[1:, 9], one_row), decode_logits(model, ids[1:, 9:10], rows), rel=1e-6)
 
 
+def test_a_model_made_under_inference_mode_compiles_without_freezing():
+    """Its weights are inference tensors, which keep no version counter: they stay graph inputs."""
+    with torch.inference_mode():
+        model = tiny_model(layer_pattern="SA", mlp_types=["none", "none"])
+        ids = random_ids(1, 6)
+        cache = model.new_cache(1, max_length=8, static=True)
+        model(ids[:, :5], cache=cache)
+        expected = decode_logits(model, ids[:, 5:], cache.snapshot())
+        step = DecodeStep(model, compile=True, backend="eager")
+        assert_close_rel(step(ids[:, 5], cache), expected, rel=1e-6)
+    assert step._inductor_settings["freezing"] is False
+
+
 def test_compile_layouts_tell_apart_what_the_step_reads():
     """Tensor strides and plain fields are part of a state's layout; the static KV's Python length (advanced
     outside the step) is not."""
