@@ -83,7 +83,8 @@ class DecodeStep:
         """What the compiled graph is specialised on, besides the weights and the model's structure."""
         return (layout_of(tokens), layout_of(cache.positions), cache.signature, cache.capacity, repr(cache.policy),
                 tuple(state.compile_layout() for state in cache.states), torch.is_grad_enabled(),
-                torch.is_inference_mode_enabled(), self.model.training)
+                torch.is_inference_mode_enabled(), torch.is_autocast_enabled(tokens.device.type),
+                torch.get_autocast_dtype(tokens.device.type), self.model.training)
 
     def __call__(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         if self.compiled:

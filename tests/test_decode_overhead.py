@@ -203,6 +203,9 @@ def test_a_compiled_step_trusts_a_layout_only_after_a_guarded_step_compiled_noth
             reference.advance(None, 1)
         assert history[0] == (False, 1) and history[-1] == (True, 0)
         assert all(not trusted for (trusted, _), (_, compiled) in zip(history[1:], history) if compiled)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert step._layout(ids[:, 9], cache) not in step._trusted
+        assert step._layout(ids[:, 9], cache) in step._trusted
         one_row, rows = cache.select(torch.tensor([1])), reference.select(torch.tensor([1]))
         assert step._layout(ids[1:, 9], one_row) not in step._trusted
         assert_close_rel(step(ids[1:, 9], one_row), decode_logits(model, ids[1:, 9:10], rows), rel=1e-6)
