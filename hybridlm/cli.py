@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
                                       "default: keep every token"),
     option("--page-size", type=int, help="paged KV cache: keys and values in pages of PAGE_SIZE tokens; "
                                          "default: one contiguous buffer per layer"),
+    option("--compile", action="store_true", help="decode with a static cache and a step compiled by "
+                                                  "torch.compile (faster per token; the first token waits for the "
+                                                  "compile, 10-60 s on a CPU)"),
 )
 def run_generate(args) -> None:
     import torch
@@ -113,7 +116,7 @@ def run_generate(args) -> None:
     policy = CachePolicy(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
                          sink_tokens=args.sink_tokens, window=args.window, page_size=args.page_size)
     print_stream(model, tokenizer, prompt_ids, stops, settings, args.prefill_chunk,
-                 None if policy.is_default else policy)
+                 None if policy.is_default else policy, compile=args.compile)
 
 
 @command(

@@ -45,13 +45,13 @@ def command(name: str, help: str, *options: Option):
 
 
 def print_stream(model, tokenizer, prompt_ids: list[int], stops: list[int], settings: dict, chunk: int = 512,
-                 policy=None) -> None:
+                 policy=None, compile: bool = False) -> None:
     """Print the continuation of ``prompt_ids`` as it is generated (text with a tokenizer, else token ids),
-    stopping at a stop token."""
+    stopping at a stop token; ``compile``: through a compiled decode step."""
     from .generation import IncrementalDecoder
 
     generated, shown = [], ""
-    decoder = IncrementalDecoder(model, prefill_chunk_size=chunk, cache_policy=policy)
+    decoder = IncrementalDecoder(model, prefill_chunk_size=chunk, cache_policy=policy, compile=compile)
     for step in decoder.stream([prompt_ids], stop_tokens=stops, **settings):
         token = step[0].item()
         if token in stops:
