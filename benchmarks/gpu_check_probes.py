@@ -118,14 +118,20 @@ def _compile_only(record: dict, path=None, arch: int = 90):
     from hybridlm.ops.triton import _common
 
     def launch(kernel, grid, *args, **kwargs):
-        if not all(grid):
+        if not all(grid(kwargs) if callable(grid) else grid):
             return
-        compiled = kernel.warmup(*args, grid=grid, **kwargs)  # an autotuned kernel: one per configuration
-        blocks = " ".join(f"{k}={v}" for k, v in sorted(kwargs.items()) if k.startswith("BLOCK"))
-        blocks += " " + ",".join(sorted({str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)}))
-        for one in compiled if isinstance(compiled, list) else [compiled]:
+        passed, bounds = _common.launch_arguments(kernel, kwargs)  # as the GPU launch: tuned blocks left out
+        with _common.block_bounds(bounds):
+            compiled = kernel.warmup(*args, grid=grid, **passed)  # an autotuned kernel: one per configuration
+            tuner = isinstance(kernel, triton.runtime.Autotuner)  # its configurations, in warmup's order
+            configs = _common._clamp_blocks(kernel.configs, None) if tuner else [triton.Config({})]
+        dtypes = ",".join(sorted({str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)}))
+        for one, config in zip(compiled if isinstance(compiled, list) else [compiled], configs, strict=True):
             meta = one.metadata
-            key = f"{_common._name(kernel)} {blocks} warps={meta.num_warps} stages={meta.num_stages}"
+            options = sorted({**passed, **config.kwargs}.items())
+            blocks = " ".join(f"{k}={v}" for k, v in options if k.startswith("BLOCK"))
+            blocks += "".join(f" {k}" for k, v in options if v is True)  # the variant (REVERSE, HAS_...)
+            key = f"{_common._name(kernel)} {blocks} {dtypes} warps={meta.num_warps} stages={meta.num_stages}"
             record[key] = dict(shared_bytes=meta.shared, **cubin_resources(one.asm["cubin"]))
             print(f"{key}: {record[key]}", flush=True)
             if path is not None:  # after every kernel: a step cut short keeps what it compiled

@@ -254,8 +254,8 @@ def test_autotuned_kernels_have_a_few_configurations_over_real_arguments():
             "_state_update_kernel"} <= set(_common.TUNING)
     assert "reset_to_zero" in _common.TUNING["_scan_bwd_kernel"][2]  # atomically accumulated dB, dC
     assert "restore_value" in _common.TUNING["_state_update_kernel"][2]  # the state, updated in place
-    for name, (configs, key, options) in _common.TUNING.items():
+    for name, (configs, key, options, blocks) in _common.TUNING.items():
         kernel = next(getattr(m, name) for m in modules.values() if hasattr(m, name))
         assert 1 < len(configs) <= 4
-        tuner = _common.autotuned(kernel, configs, key, **options)
-        assert len(tuner.configs) == len(configs) and tuner.keys == key
+        tuner = _common.autotuned(kernel, configs, key, blocks, **options)
+        assert len(tuner.configs) == len(_common.block_choices(configs, blocks)) <= 12 and tuner.keys == key

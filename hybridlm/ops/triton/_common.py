@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import triton
@@ -84,22 +85,25 @@ def device_guard(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
+def launch(kernel, grid, *args, **kwargs) -> None:
     """Launch ``kernel`` on the device of its first tensor argument unless the grid is empty (a zero-length
-    input). A compile error or a configuration that does not fit the GPU raises :class:`KernelFailed` naming the
-    kernel and configuration (remembered: the same configuration is not compiled again)."""
-    if not all(grid):
+    input). ``grid``: a tuple, or a function of the meta-parameters (``lambda META: ...``) when it depends on a
+    block size the kernel may tune (:func:`tuned`). A compile error or a configuration that does not fit the GPU
+    raises :class:`KernelFailed` naming the kernel and configuration (remembered: the same configuration is not
+    compiled again)."""
+    if not all(grid(kwargs) if callable(grid) else grid):
         return
+    passed, bounds = launch_arguments(kernel, kwargs)
     if torch.compiler.is_compiling():  # traced by torch.compile, which launches the kernel itself: no bookkeeping
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **passed)
         return
     key = _configuration(kernel, args, kwargs)
     if key in _failed:
         raise KernelFailed(_failed[key])
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
     try:
-        with device_guard(device):
-            handle = kernel[grid](*args, **kwargs)
+        with device_guard(device), block_bounds(bounds):
+            handle = kernel[grid](*args, **passed)
     except TritonError as error:
         settings = ", ".join(f"{k}={v}" for k, v in key[1:])
         first_line = (str(error).strip().splitlines() or [""])[0]
@@ -108,30 +112,94 @@ def launch(kernel, grid: tuple[int, ...], *args, **kwargs) -> None:
         raise KernelFailed(_failed[key]) from error
     meta = getattr(handle, "metadata", None)  # compiled (not interpreted): keep its resources
     if meta is not None:
+        chosen = getattr(kernel, "best_config", None)  # an Autotuner: the blocks it chose
         compiled[key[0]] = dict(registers=getattr(handle, "n_regs", None), spills=getattr(handle, "n_spills", None),
                                 shared_bytes=getattr(meta, "shared", None), warps=getattr(meta, "num_warps", None),
-                                stages=getattr(meta, "num_stages", None), config=dict(key[1:]))
+                                stages=getattr(meta, "num_stages", None),
+                                config={**dict(key[1:]), **(chosen.kwargs if chosen else {})})
 
 
-TUNING: dict[str, tuple] = {}  # kernel name -> the (configs, key, options) of :func:`tuned`
+TUNING: dict[str, tuple] = {}  # kernel name -> the (configs, key, options, blocks) of :func:`tuned`
+_bounds: dict[str, int] = {}  # the launching call's block sizes: the largest the autotuner may choose
 
 
-def autotuned(kernel, configs: tuple[tuple[int, int], ...], key: list[str], **options):
-    """``kernel`` autotuned over ``(num_warps, num_stages)`` configurations, re-tuned when the ``key`` arguments
-    change. ``options``: ``restore_value`` for buffers updated in place, ``reset_to_zero`` for accumulated ones
-    (the tuning runs the kernel once per configuration)."""
-    return triton.autotune([triton.Config({}, num_warps=w, num_stages=s) for w, s in configs], key=key,
-                           **options)(kernel)
+@contextlib.contextmanager
+def block_bounds(bounds: dict[str, int]):
+    """Within: an autotuned kernel's block choices are clamped to ``bounds`` (see :func:`launch_arguments`)."""
+    global _bounds
+    previous, _bounds = _bounds, bounds
+    try:
+        yield
+    finally:
+        _bounds = previous
 
 
-def tuned(*configs: tuple[int, int], key: list[str], **options):
+def launch_arguments(kernel, kwargs: dict) -> tuple[dict, dict]:
+    """``(what to pass, bounds)``: an autotuned kernel (on the GPU) is not passed the block sizes it tunes (Triton
+    refuses a meta-parameter both passed and tuned); the launcher's values, the largest that fit the registers
+    and shared memory at this shape, bound its choices instead. In the interpreter: every argument, no bounds."""
+    tuned_blocks = tuned_block_sizes(kernel) if isinstance(kernel, triton.runtime.Autotuner) else {}
+    bounds = {name: kwargs[name] for name in tuned_blocks if name in kwargs}
+    return {k: v for k, v in kwargs.items() if k not in bounds}, bounds
+
+
+def _clamp_blocks(configs, named_args, **kwargs):
+    """``early_config_prune``: each configuration's block sizes clamped to the launching call's (deduplicated)."""
+    clamped = {}
+    for config in configs:
+        blocks = {name: min(size, _bounds.get(name, size)) for name, size in config.kwargs.items()}
+        one = triton.Config(blocks, num_warps=config.num_warps, num_stages=config.num_stages)
+        clamped.setdefault(tuple(sorted(one.all_kwargs().items())), one)
+    return list(clamped.values())
+
+
+def block_choices(configs: tuple, blocks: dict | None) -> list[tuple[int, int, dict[str, int]]]:
+    """``(num_warps, num_stages, block sizes)`` of every configuration :func:`tuned` declares: each ``(warps,
+    stages)`` with every combination of the ``blocks`` choices; a third item ``{name: choices}`` replaces the
+    choices of those blocks for that entry (a block width that spills with fewer warps)."""
+    out = []
+    for warps, stages, *own in configs:
+        choices = {**(blocks or {}), **(own[0] if own else {})}
+        out += [(warps, stages, dict(zip(choices, sizes))) for sizes in itertools.product(*choices.values())]
+    return out
+
+
+def autotuned(kernel, configs: tuple, key: list[str], blocks: dict | None = None, **options):
+    """``kernel`` autotuned over ``(num_warps, num_stages)`` configurations and the choices of ``blocks``
+    (``{"BLOCK_V": (32, 64)}``; see :func:`block_choices`), re-tuned when the ``key`` arguments or the tensors'
+    dtypes change. A launch's own block sizes bound the choices (:func:`launch_arguments`), so a block is chosen
+    at or below the largest that fits. ``options``: ``restore_value`` for buffers updated in place,
+    ``reset_to_zero`` for accumulated ones (the tuning runs the kernel once per configuration)."""
+    return triton.autotune([triton.Config(sizes, num_warps=w, num_stages=s)
+                            for w, s, sizes in block_choices(configs, blocks)],
+                           key=key, prune_configs_by={"early_config_prune": _clamp_blocks}, **options)(kernel)
+
+
+def tuned(*configs: tuple, key: list[str], blocks: dict[str, tuple[int, ...]] | None = None, **options):
     """Decorator: :func:`autotuned` on the GPU; in the interpreter (where warps and stages mean nothing) the
-    kernel as it is, with Triton's default configuration."""
+    kernel as it is, with Triton's default configuration and the block sizes each launch passes."""
     def decorate(kernel):
-        TUNING[_name(kernel)] = (configs, key, options)
-        return kernel if INTERPRETED else autotuned(kernel, configs, key, **options)
+        TUNING[_name(kernel)] = (configs, key, options, dict(blocks or {}))
+        return kernel if INTERPRETED else autotuned(kernel, configs, key, blocks, **options)
 
     return decorate
+
+
+def narrowest(kernel, name: str, size: int) -> int:
+    """The smallest ``name`` block a launch passing ``size`` may run with: ``size`` unless the kernel is autotuned
+    over it (for buffers with one slot per block)."""
+    choices = tuned_block_sizes(kernel).get(name, ()) if isinstance(kernel, triton.runtime.Autotuner) else ()
+    return min([size, *choices])
+
+
+def tuned_block_sizes(kernel) -> dict[str, set[int]]:
+    """Every size each block ``kernel`` tunes may take (from :data:`TUNING`; empty for an untuned kernel)."""
+    configs, _, _, blocks = TUNING.get(_name(kernel), ((), None, None, None))
+    sizes: dict[str, set[int]] = {}
+    for _, _, chosen in block_choices(configs, blocks):
+        for name, size in chosen.items():
+            sizes.setdefault(name, set()).add(size)
+    return sizes
 
 
 def block(n: int, minimum: int = 16, maximum: int | None = None) -> int:

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._common import block, check_device, dot_dtype, launch, new_buffer, state_dot_dtype
+from ._common import block, check_device, dot_dtype, launch, narrowest, new_buffer, state_dot_dtype
 from .chunked_scan_kernels import (
     _chunk_cumsum_kernel,
     _chunk_scan_kernel,
@@ -71,12 +71,14 @@ def chunk_state(k, v, g_cum, chunks: Chunks, reverse: bool = False, scale=None) 
     contiguous, like ``g_cum``) multiplies each token's outer product."""
     heads, dv, dk = v.shape[2], v.shape[3], k.shape[3]
     out = new_buffer((chunks.count, heads, dv, dk), v, torch.float32)
-    block_v, block_k = block(dv, maximum=64), block(dk, maximum=_MAX_BLOCK_K)
+    def grid(meta):  # BLOCK_V, BLOCK_K: tuned on the GPU, at most the sizes passed
+        return chunks.count, heads * triton.cdiv(dv, meta["BLOCK_V"]), triton.cdiv(dk, meta["BLOCK_K"])
+
     launch(
-        _chunk_state_kernel, (chunks.count, heads * triton.cdiv(dv, block_v), triton.cdiv(dk, block_k)),
+        _chunk_state_kernel, grid,
         k, v, g_cum, g_cum if scale is None else scale, out, chunks.table, chunks.count, g_cum.shape[1],
         *_strides(k, heads), *_strides(v, heads), dk, dv, REVERSE=reverse, HAS_SCALE=scale is not None,
-        BLOCK_N=block(chunks.size, maximum=64), BLOCK_K=block_k, BLOCK_V=block_v,
+        BLOCK_N=block(chunks.size, maximum=64), BLOCK_K=block(dk, maximum=_MAX_BLOCK_K), BLOCK_V=block(dv, maximum=64),
         DOT_DTYPE=dot_dtype(k, v),
     )
     return out
@@ -147,22 +149,31 @@ def chunk_scan(q, k, v, states, g_cum, chunks: Chunks, reverse: bool = False, sk
     score_args = (scores, *scores.stride()) if scores is not None else (v, *(0,) * 4)
     block_m, block_v = block(chunks.size, maximum=64), block(dv, maximum=64)
     block_n, block_k = _score_blocks(chunks.size, dk, q, k, v)
-    n_vb = triton.cdiv(dv, block_v)
-    dots = None if dot_with is None else new_buffer((batch, time, heads, n_vb), v, torch.float32)
+    n_dots = triton.cdiv(dv, narrowest(_chunk_scan_kernel, "BLOCK_V", block_v))  # a slot per value block
+    if dot_with is None:
+        dots = None
+    elif n_dots > triton.cdiv(dv, block_v):  # (BLOCK_V tuned: the slots of blocks not there must add nothing)
+        dots = torch.zeros((batch, time, heads, n_dots), device=v.device, dtype=torch.float32)
+    else:
+        dots = new_buffer((batch, time, heads, n_dots), v, torch.float32)
     dot_args = (dot_with, dots, *_strides(dot_with, heads)) if dot_with is not None else (v, out, *(0,) * 4, 1)
+
+    def grid(meta):  # BLOCK_V, BLOCK_K: tuned on the GPU, at most the sizes passed
+        return chunks.count, triton.cdiv(chunks.size, block_m), heads * triton.cdiv(dv, meta["BLOCK_V"])
+
     launch(
-        _chunk_scan_kernel, (chunks.count, triton.cdiv(chunks.size, block_m), heads * n_vb),
+        _chunk_scan_kernel, grid,
         q, k, v, states, g_cum, skip_args[0], skip_args[1], score_args[0], g_cum if scale is None else scale,
         dot_args[0], out, dot_args[1], chunks.table, chunks.count, time,
         *_strides(q, heads), *_strides(k, heads), *_strides(v, heads), *states.stride(), *skip_args[2:],
-        *score_args[1:], *dot_args[2:], heads // out_groups, dk, dv, REVERSE=reverse, HAS_SKIP=skip is not None,
+        *score_args[1:], *dot_args[2:], heads // out_groups, n_dots, dk, dv, REVERSE=reverse, HAS_SKIP=skip is not None,
         HAS_SCORES=scores is not None, SCALE_ROWS=scale is not None and scale_rows,
         SCALE_COLS=scale is not None and not scale_rows, HAS_DOTS=dot_with is not None,
         SUM_HEADS=out_groups < heads,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_V=block_v,
         DOT_DTYPE=dot_dtype(q, k, v), STATE_DOT_DTYPE=state_dot_dtype(q, k, v),
     )
-    return out if dots is None else (out, dots.sum(-1) if n_vb > 1 else dots.squeeze(-1))
+    return out if dots is None else (out, dots.sum(-1) if n_dots > 1 else dots.squeeze(-1))
 
 
 # --- autograd ---------------------------------------------------------------------------------------------

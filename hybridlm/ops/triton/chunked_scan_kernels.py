@@ -33,7 +33,10 @@ def _chunk_cumsum_kernel(
     tl.store(OUT + (row * time + t) * n_heads + h, running_total(x, 0, REVERSE), mask=mask)
 
 
-@tuned((4, 2), (4, 3), (8, 3), key=["DK", "DV"])
+# blocks: the launch's sizes (the largest that fit) bound these choices; spill-free on sm_90 at model shapes
+# (docs/kernels-and-backends.md): a value block of 32 spills in fp32 with 4 warps
+@tuned((4, 2), (4, 3), (8, 3, {"BLOCK_V": (32, 64)}), key=["DK", "DV", "REVERSE"],
+       blocks={"BLOCK_V": (64,), "BLOCK_K": (32, 64)})
 @triton.jit
 def _chunk_state_kernel(
     K, V, G, T, OUT, TABLE, n_chunks, time,
@@ -143,13 +146,16 @@ def _chunk_scores_kernel(
     tl.store(out, acc, mask=(offs_i[:, None] < L) & (offs_j[None, :] < L))
 
 
-@tuned((4, 2), (8, 2), (8, 3), key=["DK", "DV"], reset_to_zero=["OUT"])  # OUT accumulated with SUM_HEADS
+# 4 warps spill in bf16 (the dq, dk pass at 64-wide blocks, the forward at 32-wide ones)
+@tuned((8, 2), (8, 3), key=["DK", "DV", "REVERSE", "HAS_DOTS", "SUM_HEADS"],  # each pass tuned on its own
+       blocks={"BLOCK_V": (32, 64), "BLOCK_K": (32, 64)},
+       reset_to_zero=["OUT", "DOTS"])  # OUT accumulated with SUM_HEADS; DOTS: slots of blocks not there add 0
 @triton.jit
 def _chunk_scan_kernel(
     Q, K, V, S, G, X, W, P, T, R, OUT, DOTS, TABLE, n_chunks, time,
     sq_b, sq_t, sq_h, sq_d, q_ratio, sk_b, sk_t, sk_h, sk_d, k_ratio, sv_b, sv_t, sv_h, sv_d, v_ratio,
     ss_c, ss_h, ss_v, ss_k, sx_b, sx_t, sx_h, sx_d, sw_h, sw_d, sp_c, sp_g, sp_m, sp_n,
-    sr_b, sr_t, sr_h, sr_d, r_ratio, out_ratio, DK, DV,
+    sr_b, sr_t, sr_h, sr_d, r_ratio, out_ratio, n_dots, DK, DV,
     REVERSE: tl.constexpr, HAS_SKIP: tl.constexpr, HAS_SCORES: tl.constexpr, SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr, HAS_DOTS: tl.constexpr, SUM_HEADS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -166,7 +172,8 @@ def _chunk_scan_kernel(
     head] (like G) scales the rows of q (SCALE_ROWS: OUT[t] before the skip times T[t]) or those of k and v
     (SCALE_COLS: the term of s times T[s]), which is SSD's v = dt x in whichever role v plays. With HAS_DOTS
     the row products OUT[t] . R[t] before the row scale and the skip (R like OUT, head h reading R's slice
-    h // r_ratio) are stored, summed over this value block, in DOTS [batch, time, head, value block] fp32: the
+    h // r_ratio) are stored, summed over this value block, in DOTS [batch, time, head, n_dots] fp32 (n_dots at
+    least the value blocks; the rest left as they are): the
     backward's per-token sums (q . dq, k . dk, x . dv) without another pass over its fp32 gradients. With
     SUM_HEADS, OUT is [batch, time, head // out_ratio, DV] fp32, zeroed, and the heads sharing a slice add their
     outputs to it atomically (the backward's dq, dk of keys and queries shared by a group of heads).
@@ -241,7 +248,7 @@ def _chunk_scan_kernel(
     if HAS_DOTS:
         r = tl.load(R + row * sr_b + offs_m[:, None] * sr_t + (h // r_ratio) * sr_h + offs_v[None, :] * sr_d,
                     mask=mask, other=0.0)  # [BLOCK_M, BLOCK_V]
-        tl.store(DOTS + ((row * time + offs_m) * n_heads + h) * n_vb + vb, total(acc * r.to(tl.float32), 1),
+        tl.store(DOTS + ((row * time + offs_m) * n_heads + h) * n_dots + vb, total(acc * r.to(tl.float32), 1),
                  mask=mask_m)
     if SCALE_ROWS:
         acc = acc * tl.load(t_row + offs_m * n_heads, mask=mask_m, other=0.0)[:, None]

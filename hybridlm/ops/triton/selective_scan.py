@@ -74,7 +74,8 @@ def _row(x, index, BLOCK_T: tl.constexpr):
     return total(tl.where(rows == index, x, 0.0), 0)
 
 
-@tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"])
+# BLOCK_D: fewer channels per program, more programs (the launch's size, the widest that fits, bounds the choice)
+@tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"], blocks={"BLOCK_D": (2, 4, 8)})
 @triton.jit
 def _scan_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, INIT, Y, FINAL, STATES,
@@ -122,7 +123,8 @@ def _scan_fwd_kernel(
     tl.store(FINAL + state_offs, h, mask=mask_n[None, :])
 
 
-@tuned((4, 1), (8, 1), key=["dim", "dstate"], reset_to_zero=["DB", "DC"])  # 2 warps spill
+@tuned((4, 1), (8, 1), key=["dim", "dstate"], blocks={"BLOCK_D": (2, 4, 8)},
+       reset_to_zero=["DB", "DC"])  # 2 warps spill
 @triton.jit
 def _scan_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DFINAL,
@@ -243,7 +245,7 @@ class _SelectiveScan(torch.autograd.Function):
         final = new_buffer((batch, dim, dstate), u, torch.float32)
         states = new_buffer((batch, triton.cdiv(time, block_t), dim, dstate), u, torch.float32)
         launch(
-            _scan_fwd_kernel, (batch, dim // blocks["BLOCK_D"]),
+            _scan_fwd_kernel, lambda meta: (batch, dim // meta["BLOCK_D"]),  # BLOCK_D: tuned on the GPU
             u, delta, A.contiguous(), B, C, _dummy(_packed(D), u), _dummy(z, u), _dummy(_packed(delta_bias), u),
             _dummy(_packed(initial_state), u), y, final, states, time, dim, per_group, dstate,
             *u.stride(), *delta.stride(), *B.stride(), *C.stride(), *_dummy(z, u).stride(),
@@ -267,7 +269,7 @@ class _SelectiveScan(torch.autograd.Function):
         dD, d_bias = new_buffer((batch, dim), u, torch.float32), new_buffer((batch, dim), u, torch.float32)
         d_init = new_buffer((batch, dim, dstate), u, torch.float32)
         launch(
-            _scan_bwd_kernel, (batch, dim // ctx.blocks["BLOCK_D"]),
+            _scan_bwd_kernel, lambda meta: (batch, dim // meta["BLOCK_D"]),
             u, delta, A.contiguous(), B, C, _dummy(_packed(D), u), _dummy(z, u), _dummy(_packed(delta_bias), u),
             states, dy,
             d_final.contiguous(), du, d_delta, _dummy(dz, du), dB, dC, dA, dD, d_bias, d_init,

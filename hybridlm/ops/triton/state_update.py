@@ -15,7 +15,9 @@ import triton.language as tl
 from ._common import block, check_device, launch, new_buffer, program_id64, silu, softplus, total, tuned
 
 
-@tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"], restore_value=["S"])  # 1 warp spills at dstate 128
+# BLOCK_P: fewer channels per program, more programs at small batches (bounded by the launch's, the widest that fits)
+@tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"], blocks={"BLOCK_P": (8, 16, 32)},
+       restore_value=["S"])  # 1 warp spills at dstate 128
 @triton.jit
 def _state_update_kernel(
     S, X, DT, A, B, C, D, Z, BIAS, Y, dim, dstate, heads_per_group,
@@ -94,7 +96,7 @@ def selective_state_update(
     y = new_buffer(x.shape, x)
     block_p = block(dim, minimum=1, maximum=max(1, 4096 // block(dstate, minimum=1)))
     launch(
-        _state_update_kernel, (batch, heads, triton.cdiv(dim, block_p)),
+        _state_update_kernel, lambda meta: (batch, heads, triton.cdiv(dim, meta["BLOCK_P"])),  # BLOCK_P: tuned
         state, x, dt, A, B, C, D if D is not None else x, z if z is not None else x,
         dt_bias if dt_bias is not None else x, y, dim, dstate, heads // groups,
         *state.stride(), *x.stride(), *dt.stride(), *A.stride(), *B.stride(), *C.stride(), *_strides(D, 2),
