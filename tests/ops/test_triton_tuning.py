@@ -137,3 +137,23 @@ def test_autotuned_selective_scan_and_decode_step_match_the_reference(monkeypatc
     assert_close(got, expected, "y", rel=1e-5)
     assert_close(state, expected_state, "state", rel=1e-5)
     assert state_update._state_update_kernel.best_config.kwargs["BLOCK_P"] == 8
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="wraps the interpreted kernels; on the GPU they are autotuned already")
+def test_under_torch_compile_the_launch_passes_its_blocks_to_a_warps_only_tuner(monkeypatch):
+    """A torch.compile trace does not see the block bounds: it launches an Autotuner over warps and stages only,
+    with every block the launcher computed (no conflict, no unbounded block)."""
+    _autotune(monkeypatch, ["_state_update_kernel"], "last")
+    tuner = state_update._state_update_kernel
+    configs = _common.TUNING["_state_update_kernel"][0]
+    assert [(c.num_warps, c.num_stages, c.kwargs) for c in tuner.blocks_as_passed.configs] == \
+        [(w, s, {}) for w, s in configs]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    state = torch.randn(2, 2, 64, 16)
+    x, dt, A, B, C = (torch.randn(2, 2, 64), torch.rand(2, 2, 64), -torch.rand(2, 64, 16), torch.randn(2, 1, 16),
+                      torch.randn(2, 1, 16))
+    expected_state = state.clone()
+    expected = selective_state_update_ref(expected_state, x, dt, A, B, C)
+    assert_close(state_update.selective_state_update(state, x, dt, A, B, C), expected, "y", rel=1e-5)
+    assert_close(state, expected_state, "state", rel=1e-5)
+    assert tuner.blocks_as_passed.best_config.kwargs == {} and not hasattr(tuner, "best_config")

@@ -94,8 +94,9 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if not all(grid(kwargs) if callable(grid) else grid):
         return
     passed, bounds = launch_arguments(kernel, kwargs)
-    if torch.compiler.is_compiling():  # traced by torch.compile, which launches the kernel itself: no bookkeeping
-        kernel[grid](*args, **passed)
+    if torch.compiler.is_compiling():  # traced by torch.compile, which launches the kernel itself: no bookkeeping,
+        # and no block bounds (its trace would not see them): the launch's own blocks, warps and stages tuned
+        getattr(kernel, "blocks_as_passed", kernel)[grid](*args, **kwargs)
         return
     key = _configuration(kernel, args, kwargs)
     if key in _failed:
@@ -170,9 +171,14 @@ def autotuned(kernel, configs: tuple, key: list[str], blocks: dict | None = None
     dtypes change. A launch's own block sizes bound the choices (:func:`launch_arguments`), so a block is chosen
     at or below the largest that fits. ``options``: ``restore_value`` for buffers updated in place,
     ``reset_to_zero`` for accumulated ones (the tuning runs the kernel once per configuration)."""
-    return triton.autotune([triton.Config(sizes, num_warps=w, num_stages=s)
-                            for w, s, sizes in block_choices(configs, blocks)],
-                           key=key, prune_configs_by={"early_config_prune": _clamp_blocks}, **options)(kernel)
+    tuner = triton.autotune([triton.Config(sizes, num_warps=w, num_stages=s)
+                             for w, s, sizes in block_choices(configs, blocks)],
+                            key=key, prune_configs_by={"early_config_prune": _clamp_blocks} if blocks else None,
+                            **options)(kernel)
+    # for torch.compile's traces (see launch): the same warps and stages, the blocks as each launch passes them
+    tuner.blocks_as_passed = autotuned(kernel, tuple({(w, s): None for w, s, *_ in configs}), key, **options) \
+        if blocks else tuner
+    return tuner
 
 
 def tuned(*configs: tuple, key: list[str], blocks: dict[str, tuple[int, ...]] | None = None, **options):
