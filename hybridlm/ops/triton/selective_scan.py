@@ -74,7 +74,8 @@ def _row(x, index, BLOCK_T: tl.constexpr):
     return total(tl.where(rows == index, x, 0.0), 0)
 
 
-# BLOCK_D: fewer channels per program, more programs (the launch's size, the widest that fits, bounds the choice)
+# BLOCK_D: fewer channels per program, more programs. Each choice is clamped to the launch's (a power of two
+# dividing the group's channels), so a block still never spans two groups of B, C
 @tuned((2, 1), (4, 1), (8, 1), key=["dim", "dstate"], blocks={"BLOCK_D": (2, 4, 8)})
 @triton.jit
 def _scan_fwd_kernel(
