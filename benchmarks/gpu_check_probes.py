@@ -121,10 +121,10 @@ def _compile_only(record: dict, path=None, arch: int = 90):
         if not all(grid(kwargs) if callable(grid) else grid):
             return
         passed, bounds = _common.launch_arguments(kernel, kwargs)  # as the GPU launch: tuned blocks left out
-        with _common.block_bounds(bounds):
-            compiled = kernel.warmup(*args, grid=grid, **passed)  # an autotuned kernel: one per configuration
-            tuner = isinstance(kernel, triton.runtime.Autotuner)  # its configurations, in warmup's order
-            configs = _common._clamp_blocks(kernel.configs, None) if tuner else [triton.Config({})]
+        kernel = kernel.bounded(bounds) if bounds else kernel  # its choices clamped to the launch's blocks
+        compiled = kernel.warmup(*args, grid=grid, **passed)  # an autotuned kernel: one per configuration
+        tuner = isinstance(kernel, triton.runtime.Autotuner)  # its configurations, in warmup's order
+        configs = kernel.configs if tuner else [triton.Config({})]
         dtypes = ",".join(sorted({str(a.dtype)[6:] for a in args if isinstance(a, torch.Tensor)}))
         for one, config in zip(compiled if isinstance(compiled, list) else [compiled], configs, strict=True):
             meta = one.metadata

@@ -58,6 +58,12 @@ def _autotune(monkeypatch, names, order: str):
         monkeypatch.setattr(module, name, tuner)
 
 
+def launched(tuner):
+    """The one bounded tuner a test's launches went through (the launches' blocks bound the choices)."""
+    (bounded,) = tuner.by_bounds.values()
+    return bounded
+
+
 def test_gpu_style_launch_leaves_tuned_blocks_to_the_autotuner():
     """The launch's block sizes become bounds, never arguments (Triton: "Conflicting meta-parameters")."""
     configs, key, options, blocks = _common.TUNING["_chunk_scan_kernel"]
@@ -67,10 +73,12 @@ def test_gpu_style_launch_leaves_tuned_blocks_to_the_autotuner():
     assert bounds == {"BLOCK_K": 32, "BLOCK_V": 64}
     assert passed == {"BLOCK_M": 64, "BLOCK_N": 32, "REVERSE": True}
     assert not passed.keys() & set().union(*(c.kwargs for c in kernel.configs))
-    with _common.block_bounds(bounds):  # choices clamped to the bounds, duplicates dropped
-        pruned = _common._clamp_blocks(kernel.configs, None)
+    pruned = kernel.bounded(bounds).configs  # choices clamped to the bounds, duplicates dropped
     assert {c.kwargs["BLOCK_K"] for c in pruned} == {32} and {c.kwargs["BLOCK_V"] for c in pruned} == {32, 64}
     assert len(pruned) == len({tuple(sorted(c.all_kwargs().items())) for c in pruned}) == 4
+    # one tuner per bounds: a choice made under looser bounds is never reused under tighter ones
+    assert kernel.bounded(dict(bounds)) is kernel.bounded(bounds)
+    assert {c.kwargs["BLOCK_V"] for c in kernel.bounded(dict(BLOCK_K=32, BLOCK_V=32)).configs} == {32}
     # in the interpreter's own kernels (not autotuned) every argument is passed, as before
     if _common.INTERPRETED:
         assert _common.launch_arguments(chunked_scan._chunk_scan_kernel, dict(BLOCK_V=64)) == ({"BLOCK_V": 64}, {})
@@ -102,7 +110,7 @@ def test_autotuned_chunked_scan_matches_the_reference_with_every_block_choice(mo
     for name, g, e in zip(["y", "final", "dq", "dk", "dv", "dlog_decay", "dscale"], got, expected, strict=True):
         assert e.abs().max() > 0.1, name  # a non-trivial reference
         assert_close(g, e, name, rel=1e-4)
-    chosen = chunked_scan._chunk_scan_kernel.best_config.kwargs
+    chosen = launched(chunked_scan._chunk_scan_kernel).best_config.kwargs
     assert chosen["BLOCK_V"] == (32 if order == "first" else 64)  # the dots of two value blocks, or of one
 
 
@@ -126,7 +134,7 @@ def test_autotuned_selective_scan_and_decode_step_match_the_reference(monkeypatc
                           run(selective_scan_ref), strict=True):
         assert e.abs().max() > 0.1, name
         assert_close(g, e, name, rel=1e-4)
-    assert selective_scan._scan_bwd_kernel.best_config.kwargs["BLOCK_D"] == 2
+    assert launched(selective_scan._scan_bwd_kernel).best_config.kwargs["BLOCK_D"] == 2
 
     state = torch.randn(2, 2, 64, 16)  # [batch, heads, head_dim, dstate]: blocks of 8 to 32 of the 64 channels
     x, dt, A2 = torch.randn(2, 2, 64), torch.rand(2, 2, 64), -torch.rand(2, 64, 16)
@@ -136,7 +144,7 @@ def test_autotuned_selective_scan_and_decode_step_match_the_reference(monkeypatc
     got = state_update.selective_state_update(state, x, dt, A2, B2, C2, dt_softplus=True)  # tuning restores state
     assert_close(got, expected, "y", rel=1e-5)
     assert_close(state, expected_state, "state", rel=1e-5)
-    assert state_update._state_update_kernel.best_config.kwargs["BLOCK_P"] == 8
+    assert launched(state_update._state_update_kernel).best_config.kwargs["BLOCK_P"] == 8
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="wraps the interpreted kernels; on the GPU they are autotuned already")

@@ -102,8 +102,10 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if key in _failed:
         raise KernelFailed(_failed[key])
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+    if bounds:
+        kernel = kernel.bounded(bounds)
     try:
-        with device_guard(device), block_bounds(bounds):
+        with device_guard(device):
             handle = kernel[grid](*args, **passed)
     except TritonError as error:
         settings = ", ".join(f"{k}={v}" for k, v in key[1:])
@@ -121,37 +123,16 @@ def launch(kernel, grid, *args, **kwargs) -> None:
 
 
 TUNING: dict[str, tuple] = {}  # kernel name -> the (configs, key, options, blocks) of :func:`tuned`
-_bounds: dict[str, int] = {}  # the launching call's block sizes: the largest the autotuner may choose
-
-
-@contextlib.contextmanager
-def block_bounds(bounds: dict[str, int]):
-    """Within: an autotuned kernel's block choices are clamped to ``bounds`` (see :func:`launch_arguments`)."""
-    global _bounds
-    previous, _bounds = _bounds, bounds
-    try:
-        yield
-    finally:
-        _bounds = previous
 
 
 def launch_arguments(kernel, kwargs: dict) -> tuple[dict, dict]:
     """``(what to pass, bounds)``: an autotuned kernel (on the GPU) is not passed the block sizes it tunes (Triton
     refuses a meta-parameter both passed and tuned); the launcher's values, the largest that fit the registers
-    and shared memory at this shape, bound its choices instead. In the interpreter: every argument, no bounds."""
+    and shared memory at this shape, bound its choices instead (``kernel.bounded(bounds)``). In the
+    interpreter: every argument, no bounds."""
     tuned_blocks = tuned_block_sizes(kernel) if isinstance(kernel, triton.runtime.Autotuner) else {}
     bounds = {name: kwargs[name] for name in tuned_blocks if name in kwargs}
     return {k: v for k, v in kwargs.items() if k not in bounds}, bounds
-
-
-def _clamp_blocks(configs, named_args, **kwargs):
-    """``early_config_prune``: each configuration's block sizes clamped to the launching call's (deduplicated)."""
-    clamped = {}
-    for config in configs:
-        blocks = {name: min(size, _bounds.get(name, size)) for name, size in config.kwargs.items()}
-        one = triton.Config(blocks, num_warps=config.num_warps, num_stages=config.num_stages)
-        clamped.setdefault(tuple(sorted(one.all_kwargs().items())), one)
-    return list(clamped.values())
 
 
 def block_choices(configs: tuple, blocks: dict | None) -> list[tuple[int, int, dict[str, int]]]:
@@ -168,13 +149,30 @@ def block_choices(configs: tuple, blocks: dict | None) -> list[tuple[int, int, d
 def autotuned(kernel, configs: tuple, key: list[str], blocks: dict | None = None, **options):
     """``kernel`` autotuned over ``(num_warps, num_stages)`` configurations and the choices of ``blocks``
     (``{"BLOCK_V": (32, 64)}``; see :func:`block_choices`), re-tuned when the ``key`` arguments or the tensors'
-    dtypes change. A launch's own block sizes bound the choices (:func:`launch_arguments`), so a block is chosen
-    at or below the largest that fits. ``options``: ``restore_value`` for buffers updated in place,
-    ``reset_to_zero`` for accumulated ones (the tuning runs the kernel once per configuration)."""
-    tuner = triton.autotune([triton.Config(sizes, num_warps=w, num_stages=s)
-                             for w, s, sizes in block_choices(configs, blocks)],
-                            key=key, prune_configs_by={"early_config_prune": _clamp_blocks} if blocks else None,
-                            **options)(kernel)
+    dtypes change. A launch's own block sizes bound the choices: ``tuner.bounded(bounds)`` is a tuner whose
+    choices are clamped to them, one per distinct ``bounds`` (kept in ``tuner.by_bounds``), so a configuration
+    chosen under one launch's bounds is never reused under tighter ones. ``options``: ``restore_value`` for
+    buffers updated in place, ``reset_to_zero`` for accumulated ones (the tuning runs the kernel once per
+    configuration)."""
+    choices = block_choices(configs, blocks)
+
+    def clamped_tuner(bounds: dict[str, int]):
+        unique = {}  # clamping can make two choices equal: each configuration once
+        for warps, stages, sizes in choices:
+            sizes = {name: min(size, bounds.get(name, size)) for name, size in sizes.items()}
+            unique.setdefault((warps, stages, tuple(sorted(sizes.items()))),
+                              triton.Config(sizes, num_warps=warps, num_stages=stages))
+        return triton.autotune(list(unique.values()), key=key, **options)(kernel)
+
+    tuner = clamped_tuner({})
+
+    def bounded(bounds: dict[str, int]):
+        named = tuple(sorted(bounds.items()))
+        if named not in tuner.by_bounds:
+            tuner.by_bounds[named] = clamped_tuner(bounds)
+        return tuner.by_bounds[named]
+
+    tuner.by_bounds, tuner.bounded = {}, bounded
     # for torch.compile's traces (see launch): the same warps and stages, the blocks as each launch passes them
     tuner.blocks_as_passed = autotuned(kernel, tuple({(w, s): None for w, s, *_ in configs}), key, **options) \
         if blocks else tuner
