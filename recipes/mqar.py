@@ -207,7 +207,7 @@ def plot(rows: list[dict], path: Path) -> bool:
     cells = sorted({(r["seq_len"], r["kv_pairs"]) for r in rows})
     mixers = [m for m in MIXER_PATTERNS if any(r["mixer"] == m for r in rows)]
     colours = dict(zip(mixers, plt.get_cmap("tab10").colors))
-    fig, axes = plt.subplots(1, len(cells), figsize=(4 * len(cells), 3.6), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(cells), figsize=(max(5, 4 * len(cells)), 3.6), squeeze=False, sharey=True)
     for ax, (seq_len, kv_pairs) in zip(axes[0], cells):
         for mixer in mixers:
             points = sorted((r["state_bytes_per_sequence"], r["accuracy"]) for r in rows
@@ -215,12 +215,13 @@ def plot(rows: list[dict], path: Path) -> bool:
             if points:
                 ax.plot(*zip(*points), "o", color=colours[mixer], label=mixer, alpha=0.8)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decades only: no overlapping labels
         ax.set_title(f"seq_len {seq_len}, {kv_pairs} key-value pairs")
         ax.set_xlabel("state bytes per sequence")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("MQAR accuracy")
     axes[0][0].set_ylim(-0.02, 1.02)
-    axes[0][-1].legend(fontsize=8, loc="lower right")
+    axes[0][-1].legend(fontsize=8, loc="center right")  # the points gather near 0 and 1
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
