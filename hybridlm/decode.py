@@ -12,8 +12,10 @@ itself is a pure tensor program: with a static cache (:mod:`hybridlm.kv.static`)
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
+import torch.nn.modules.module as module_hooks
 from torch._dynamo.utils import counters
 
 from .cache import HybridCache
@@ -44,12 +46,12 @@ class DecodeStep:
     * the weights are constants of the compiled code (inductor's ``freezing``: folded, prepacked for the CPU's
       matmuls; on CPU the graph's wrapper is C++, ``cpp_wrapper``). Before each step it reads every weight's
       version counter and storage (~30 us) and recompiles when one changed (an in-place update, a reload,
-      ``model.to(dtype)``);
+      ``model.to(dtype)``) or when a submodule, parameter or buffer was assigned anew (:class:`StructureWatch`);
     * once a step of a layout (token batch, cache signature, capacity and policy, state kinds, grad mode) has run
       through dynamo's guards without compiling, the layout's later steps skip them
       (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): the guards held for a step like them, and
-      what they check is what the layout names. Swapping a submodule after the first step is not noticed:
-      build a new step.
+      what they check is what the layout names. Not noticed: a change to a plain attribute the model's forward
+      reads (``module.some_flag = ...``): build a new step.
     """
 
     def __init__(self, model, compile: bool = False, mode: str | None = None, backend: str = "inductor"):
@@ -59,21 +61,23 @@ class DecodeStep:
             device = model.lm_head.weight.device
             self._backend = backend
             self._mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
-            self._weights = [*model.parameters(), *model.buffers()]
-            # inference tensors (a model made under torch.inference_mode) keep no version counter, so changes to
-            # them could not be seen: they stay inputs of the graph, read at every step
-            freeze = not any(weight.is_inference() for weight in self._weights)
-            self._weights = self._weights if freeze else []
-            self._inductor_settings = {"freezing": freeze, "cpp_wrapper": device.type == "cpu"}
+            self._cpp_wrapper = device.type == "cpu"
             self._recompile()
 
     def _recompile(self) -> None:
         """A fresh compiled step: its own copy of :func:`decode_logits`' code object, so dynamo's cache (kept per
         code object) holds only this step's graphs, never another model's or older weights'."""
+        self._weights = [*self.model.parameters(), *self.model.buffers()]
+        # inference tensors (a model made under torch.inference_mode) keep no version counter, so changes to them
+        # could not be seen: they stay inputs of the graph, read at every step
+        freeze = not any(weight.is_inference() for weight in self._weights)
+        self._weights = self._weights if freeze else []
+        self._inductor_settings = {"freezing": freeze, "cpp_wrapper": self._cpp_wrapper}
         private = types.FunctionType(decode_logits.__code__.replace(), decode_logits.__globals__, "decode_logits")
         self._logits = torch.compile(private, fullgraph=True, dynamic=False, backend=self._backend,
                                      mode=self._mode if self._backend == "inductor" else None)
         self._compiled_weights = self._weights_state()
+        self._structure = StructureWatch(self.model)
         self._trusted: set[tuple] = set()  # layouts whose guards held on a step that compiled nothing
 
     def _weights_state(self) -> list[tuple[int, int]]:
@@ -101,7 +105,7 @@ class DecodeStep:
         return logits
 
     def _compiled_step(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
-        if self._weights_state() != self._compiled_weights:
+        if self._structure.changes or self._weights_state() != self._compiled_weights:
             self._recompile()
         layout = self._layout(tokens, cache)
         if layout in self._trusted:
@@ -114,3 +118,30 @@ class DecodeStep:
         if counters["stats"]["unique_graphs"] == graphs:  # guarded, and no new graph: an earlier step's held
             self._trusted.add(layout)
         return logits
+
+
+class StructureWatch:
+    """Counts submodules, parameters and buffers assigned to ``model``'s modules after it was made (``model.head =
+    ...``, ``layer.weight = nn.Parameter(...)``), through torch's global registration hooks: a step compiled
+    before such a change is stale, and neither guards (skipped) nor weight versions (a new tensor) would say so.
+    The hooks go when the watch does."""
+
+    def __init__(self, model):
+        self.modules = {id(module) for module in model.modules()}
+        self.changes = 0
+        watch = weakref.ref(self)
+
+        def count(module, name, value):
+            alive = watch()
+            if alive is not None and id(module) in alive.modules:
+                alive.changes += 1
+
+        handles = [register(count) for register in (module_hooks.register_module_module_registration_hook,
+                                                    module_hooks.register_module_parameter_registration_hook,
+                                                    module_hooks.register_module_buffer_registration_hook)]
+        weakref.finalize(self, _remove_all, handles)
+
+
+def _remove_all(handles) -> None:
+    for handle in handles:
+        handle.remove()

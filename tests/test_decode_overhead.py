@@ -174,11 +174,34 @@ def test_compiled_decoder_equals_eager():
     expected = decode_logits(model, ids[:, 6:7], cache.snapshot())
     assert_close_rel(compiled.decode_step(ids[:, 6], cache), expected, rel=1e-5)  # strided ids: a new layout
 
-    # the weights are constants of the compiled code: changing them in place recompiles
+    # the weights are constants of the compiled code: changing them in place, or assigning a new parameter,
+    # recompiles
     with torch.no_grad():
         model.lm_head.weight.mul_(-1)
     assert torch.equal(compiled.generate(prompts, max_new_tokens=5),
                        IncrementalDecoder(model).generate(prompts, max_new_tokens=5))
+    model.model.norm.weight = torch.nn.Parameter(torch.rand_like(model.model.norm.weight) + 0.5)
+    assert torch.equal(compiled.generate(prompts, max_new_tokens=5),
+                       IncrementalDecoder(model).generate(prompts, max_new_tokens=5))
+
+
+def test_the_structure_watch_counts_assignments_to_the_models_own_modules_only():
+    import gc
+
+    from hybridlm.decode import StructureWatch
+
+    model, other = tiny_model(layer_pattern="A"), torch.nn.Linear(2, 2)
+    watch = StructureWatch(model)
+    other.weight = torch.nn.Parameter(torch.zeros(2, 2))
+    model.model.norm.register_buffer("extra", torch.zeros(1))
+    assert watch.changes == 1
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    model.model.norm.weight = torch.nn.Parameter(model.model.norm.weight.detach().clone())
+    assert watch.changes == 3
+    hooks = len(torch.nn.modules.module._global_module_registration_hooks)
+    del watch
+    gc.collect()
+    assert len(torch.nn.modules.module._global_module_registration_hooks) == hooks - 1
 
 
 def test_a_compiled_step_trusts_a_layout_only_after_a_guarded_step_compiled_nothing():
