@@ -67,11 +67,11 @@ class DecodeStep:
     def _recompile(self) -> None:
         """A fresh compiled step: its own copy of :func:`decode_logits`' code object, so dynamo's cache (kept per
         code object) holds only this step's graphs, never another model's or older weights'."""
-        self._weights = [*self.model.parameters(), *self.model.buffers()]
+        weights = [*self.model.parameters(), *self.model.buffers()]
         # inference tensors (a model made under torch.inference_mode) keep no version counter, so changes to them
-        # could not be seen: they stay inputs of the graph, read at every step
-        freeze = not any(weight.is_inference() for weight in self._weights)
-        self._weights = self._weights if freeze else []
+        # could not be seen: they stay inputs of the graph, read at every step, and nothing is watched
+        freeze = not any(weight.is_inference() for weight in weights)
+        self._weights = weights if freeze else []
         self._inductor_settings = {"freezing": freeze, "cpp_wrapper": self._cpp_wrapper}
         private = types.FunctionType(decode_logits.__code__.replace(), decode_logits.__globals__, "decode_logits")
         self._logits = torch.compile(private, fullgraph=True, dynamic=False, backend=self._backend,

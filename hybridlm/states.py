@@ -30,6 +30,7 @@ from . import rollback
 def _tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
+
 def layout_of(value) -> object:
     """A hashable description of what compiled code specialises on in ``value`` (see
     :meth:`LayerState.compile_layout`)."""

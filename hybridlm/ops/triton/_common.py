@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import torch
@@ -93,11 +94,11 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     compiled again)."""
     if not all(grid(kwargs) if callable(grid) else grid):
         return
-    passed, bounds = launch_arguments(kernel, kwargs)
     if torch.compiler.is_compiling():  # traced by torch.compile, which launches the kernel itself: no bookkeeping,
         # and no block bounds (its trace would not see them): the launch's own blocks, warps and stages tuned
         getattr(kernel, "blocks_as_passed", kernel)[grid](*args, **kwargs)
         return
+    passed, bounds = launch_arguments(kernel, kwargs)
     key = _configuration(kernel, args, kwargs)
     if key in _failed:
         raise KernelFailed(_failed[key])
@@ -198,7 +199,12 @@ def narrowest(kernel, name: str, size: int) -> int:
 
 def tuned_block_sizes(kernel) -> dict[str, set[int]]:
     """Every size each block ``kernel`` tunes may take (from :data:`TUNING`; empty for an untuned kernel)."""
-    configs, _, _, blocks = TUNING.get(_name(kernel), ((), None, None, None))
+    return _tuned_block_sizes(_name(kernel))
+
+
+@functools.cache  # read at every launch; TUNING is filled once, when the kernels are defined
+def _tuned_block_sizes(name: str) -> dict[str, set[int]]:
+    configs, _, _, blocks = TUNING.get(name, ((), None, None, None))
     sizes: dict[str, set[int]] = {}
     for _, _, chosen in block_choices(configs, blocks):
         for name, size in chosen.items():
