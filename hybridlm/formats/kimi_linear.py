@@ -62,6 +62,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         mlp_types=mlp_types,
         shared_expert_intermediate_size=fc["moe_intermediate_size"] * fc["num_shared_experts"],
         moe_router="sigmoid",
+        router_aux_loss_coef=0.0,  # transformers adds no load-balancing loss (the selection bias balances)
         mla_rope=False,
     )
 

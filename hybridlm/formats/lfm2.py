@@ -81,7 +81,8 @@ def to_config(foreign_config: dict) -> HybridConfig:
                    intermediate_size=fc["intermediate_size"], moe_intermediate_size=fc["moe_intermediate_size"],
                    num_experts=fc["num_experts"], num_experts_per_tok=fc["num_experts_per_tok"],
                    moe_router="sigmoid", moe_renormalize=fc["norm_topk_prob"],
-                   moe_routed_scaling=float(fc["routed_scaling_factor"]))
+                   moe_routed_scaling=float(fc["routed_scaling_factor"]),
+                   router_aux_loss_coef=0.0)  # transformers adds no load-balancing loss
     return HybridConfig(
         **FIELDS.to_ours(fc),
         **rope_settings(fc),

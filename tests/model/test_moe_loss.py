@@ -6,10 +6,13 @@ import torch
 import transformers
 
 from hybridlm.layers.mlp import load_balancing_loss, routing_statistics
-from tests.formats.compare import random_ids, save_and_load, tiny_transformers_model
+from tests.formats.compare import random_ids, save_and_load, tiny_model_maker, tiny_transformers_model
 from tests.formats.test_granitemoehybrid import tiny_granite
 from tests.formats.test_jamba import VOCAB, tiny_jamba_config
+from tests.formats.test_kimi_linear import tiny_kimi_linear
 from tests.formats.test_nemotron_h import tiny_nemotron_h
+from tests.formats.test_qwen3_5_moe import TEXT as QWEN3_5_MOE
+from tests.formats.test_qwen3_next import tiny_qwen3_next
 
 
 def tiny_jamba():
@@ -17,10 +20,23 @@ def tiny_jamba():
     return tiny_transformers_model(transformers.JambaForCausalLM, tiny_jamba_config(router_aux_loss_coef=0.3))
 
 
+tiny_qwen3_5_moe = tiny_model_maker(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig,
+                                    **QWEN3_5_MOE)
+tiny_lfm2_moe = tiny_model_maker(
+    transformers.Lfm2MoeForCausalLM, transformers.Lfm2MoeConfig, vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+    moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, num_dense_layers=1,
+    num_experts=6, num_experts_per_tok=2, layer_types=["conv", "full_attention", "conv", "conv"],
+    tie_word_embeddings=False, pad_token_id=0)
+
 FORMATS = {
     "jamba": tiny_jamba,
     "granitemoehybrid": lambda: tiny_granite(router_aux_loss_coef=0.3),
-    "nemotron_h": tiny_nemotron_h,  # transformers adds no auxiliary loss (its router is balanced by a bias)
+    "qwen3_next": lambda: tiny_qwen3_next(router_aux_loss_coef=0.3),
+    "qwen3_5_moe": lambda: tiny_qwen3_5_moe(router_aux_loss_coef=0.3),
+    # transformers adds no auxiliary loss for these (their sigmoid routers are balanced by a selection bias)
+    "nemotron_h": tiny_nemotron_h,
+    "kimi_linear": tiny_kimi_linear,
+    "lfm2_moe": tiny_lfm2_moe,
 }
 
 
