@@ -71,6 +71,7 @@ def test_pretrain_learns_saves_and_loads_with_auto_classes(corpus, model_file, t
     assert {"step", "loss", "lr", "tokens", "tokens_per_s"} <= set(train_rows[0])
     assert {"eval_loss", "bits_per_byte"} <= set(eval_rows[-1])
     assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 1.0  # from ~ln(300) = 5.7 towards the text's statistics
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert last["step"] == 12 and last["tokens"] == 12 * 4 * 32
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
@@ -148,3 +149,28 @@ def test_accumulation_and_activation_checkpointing_give_the_same_training(corpus
 def test_bf16_autocast_trains(corpus, model_file, tmp_path):
     last = pretrain.main(args_for(corpus, model_file, tmp_path, "--steps", "3", "--precision", "bf16"))
     assert torch.isfinite(torch.tensor(last["loss"])) and last["loss"] < 6.5
+
+
+def test_default_corpus_is_the_standard_library_with_a_fixed_held_out_set():
+    from hybridlm.training.corpus import HELD_OUT_STDLIB, stdlib_corpus
+
+    corpus = stdlib_corpus()
+    held_out = [name for name, _ in corpus.held_out]
+    train = {name for name, _ in corpus.train}
+    assert sorted(held_out) == sorted(HELD_OUT_STDLIB)
+    assert not train & set(held_out)
+    assert "os.py" in train and "pydoc_data/topics.py" in train  # sources and the documentation
+    assert not any({"test", "tests", "idle_test", "site-packages"} & set(name.split("/")[:-1]) for name in train)
+    assert sum(map(len, corpus.train_texts)) > 5_000_000
+
+
+def test_hybridlm_train_is_the_same_pretraining(corpus, model_file, tmp_path):
+    """The installed command ``hybridlm train`` runs the recipe's pretraining: same options, same weights."""
+    from hybridlm.cli import main as cli
+
+    pretrain.main(args_for(corpus, model_file, tmp_path / "recipe", "--steps", "2"))
+    cli(["train", *args_for(corpus, model_file, tmp_path / "cli", "--steps", "2")])
+    expected = load_file(tmp_path / "recipe" / "model.safetensors")
+    got = load_file(tmp_path / "cli" / "model.safetensors")
+    assert expected.keys() == got.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
