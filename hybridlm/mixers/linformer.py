@@ -20,7 +20,7 @@ from torch import nn
 
 from .. import ops
 from ..cache import CompressedKVState
-from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register, zero_padding
+from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register, zero_padding
 from .segments import check_stateless
 
 PREFIX_REDUCTIONS = ("mean", "sum")
@@ -38,6 +38,9 @@ class Linformer(Mixer):
     @classmethod
     def check_config(cls, config) -> None:
         check_head_layout(config)
+        if config.linformer_prefix_reduction not in PREFIX_REDUCTIONS:
+            raise invalid_config("linformer_prefix_reduction", config.linformer_prefix_reduction,
+                                 f"allowed: {PREFIX_REDUCTIONS}")
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -46,9 +49,6 @@ class Linformer(Mixer):
         self.rank, self.max_length = config.linformer_rank, config.linformer_max_length
         self.causal = config.linformer_causal
         self.prefix_reduction = config.linformer_prefix_reduction
-        if self.prefix_reduction not in PREFIX_REDUCTIONS:
-            raise ValueError(f"HybridConfig.linformer_prefix_reduction={self.prefix_reduction!r} is invalid: "
-                             f"allowed: {PREFIX_REDUCTIONS}")
         width = self.num_heads * self.head_dim
         self.q_proj = nn.Linear(hidden, width, bias=bias)
         self.k_proj = nn.Linear(hidden, width, bias=bias)

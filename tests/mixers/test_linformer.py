@@ -96,5 +96,8 @@ def test_negative_position_ids_are_an_error():
 
 
 def test_unknown_prefix_reduction_names_the_field():
-    with pytest.raises(ValueError, match="linformer_prefix_reduction"):
-        build("linformer", linformer_prefix_reduction="max")
+    """Refused by the config (not only when a model is built), unless no layer is a Linformer."""
+    for layer_types in (["linformer"], ["attention+linformer"]):
+        with pytest.raises(ValueError, match="HybridConfig.linformer_prefix_reduction='max'"):
+            tiny_config(layer_types=layer_types, linformer_prefix_reduction="max")
+    tiny_config(layer_types=["attention"], linformer_prefix_reduction="max")
