@@ -8,8 +8,6 @@ the default corpus has never seen them.
 from __future__ import annotations
 
 import ast
-import json
-from pathlib import Path
 
 from .corpus import HELD_OUT_STDLIB, stdlib_root
 
@@ -52,11 +50,3 @@ def docstring_examples(held_out: bool) -> list[dict]:
         raise FileNotFoundError(f"no documented functions found in the standard library under {root}")
     return examples
 
-
-def write_docstring_task(directory: Path) -> tuple[Path, Path]:
-    """``train.jsonl`` and ``eval.jsonl`` of the task in ``directory``."""
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = directory / "train.jsonl", directory / "eval.jsonl"
-    for path, held_out in zip(paths, (False, True)):
-        path.write_text("".join(json.dumps(example) + "\n" for example in docstring_examples(held_out)))
-    return paths

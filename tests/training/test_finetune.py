@@ -177,3 +177,63 @@ def test_chat_lora_adapters_save_and_reload(tokenizer, tmp_path):
     rows = pack([encode_example(tokenizer, e) for e in CHATS[24:]], 64, tokenizer.eos_token_id)
     assert evaluate(reloaded, rows, "documents") == pytest.approx(result["eval_loss_after"], rel=1e-5)
     assert result["eval_loss_after"] < result["eval_loss_before"]
+
+
+@pytest.mark.slow
+def test_docstring_task_holds_out_the_held_out_files():
+    """Prompt (signature + docstring) and response (body) are consecutive source lines of one function; the
+    evaluation examples are the functions of HELD_OUT_STDLIB and none of them is a training example."""
+    import ast
+    import textwrap
+
+    from hybridlm.training.docstring_task import docstring_examples
+
+    held_out, train = docstring_examples(held_out=True), docstring_examples(held_out=False)
+    assert len(held_out) > 100 and len(train) > 1000
+    push = next(e for e in held_out if e["prompt"].startswith("def heappush(heap, item):"))
+    assert '"""Push item onto heap' in push["prompt"] and "heap.append(item)" in push["response"]
+    for example in held_out[:50] + train[:50]:
+        function = ast.parse(textwrap.dedent(example["prompt"] + example["response"])).body[-1]
+        assert isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(function)
+        assert example["response"].strip() and '"""' not in example["response"].split("\n")[0]
+    assert not {e["prompt"] for e in held_out} & {e["prompt"] for e in train}
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_saves_the_whole_model(tokenizer, tmp_path):
+    import hybridlm
+    from hybridlm.training.pretrain import build_model
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(TINY, layer_pattern="MA")))
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer.save_pretrained(tokenizer_dir)
+    result = main(["--model", str(config), "--tokenizer", str(tokenizer_dir), "--seed", "5"]
+                  + _common(tmp_path, _write_jsonl(tmp_path / "d.jsonl", PAIRS)))
+    assert result["eval_loss_after"] < result["eval_loss_before"]
+    out = tmp_path / "out"
+    assert not (out / "adapter_config.json").exists()
+    assert json.loads((out / "finetune.json").read_text()) == result
+    tuned, base = hybridlm.load(out).eval(), build_model(str(config), len(tokenizer), seed=5).eval()
+    ids = random_ids(2, 13, vocab=300)
+    with torch.no_grad():
+        assert relative_error(tuned(input_ids=ids).logits, base(input_ids=ids).logits) > 1e-3  # every weight trained
+    rows = pack_examples([encode_example(tokenizer, e) for e in PAIRS[::10]], 64, tokenizer.eos_token_id)
+    assert evaluate(tuned, rows, "documents") == pytest.approx(result["eval_loss_after"], rel=1e-5)
+
+
+def test_bad_fine_tuning_options_fail_before_training(tokenizer, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(TINY, layer_pattern="SA")))  # Mamba-2: Jamba cannot hold it
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    data = _write_jsonl(tmp_path / "d.jsonl", PAIRS)
+    start = ["--model", str(config), "--tokenizer", str(tmp_path / "tokenizer")]
+    with pytest.raises(ValueError, match="--merge needs --lora"):
+        main(start + _common(tmp_path, data, merge=True))
+    with pytest.raises(ValueError, match="cannot be written as jamba"):
+        main(start + _common(tmp_path, data, format="jamba"))
+    with pytest.raises(ValueError, match="--format 'gguf'"):
+        main(start + _common(tmp_path, data, format="gguf"))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        main(start + _common(tmp_path, tmp_path / "missing.jsonl"))
+    assert not (tmp_path / "out").exists()  # nothing written
