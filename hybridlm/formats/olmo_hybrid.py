@@ -38,6 +38,7 @@ from .mapping import (
     same_names,
     with_transformers_defaults,
 )
+from .qwen3_next import check_deltanet_heads
 
 FIELDS = FieldMap({
     **COMMON_FIELDS, **ATTENTION_FIELDS,
@@ -55,6 +56,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
     fc = with_transformers_defaults(foreign_config)
     require_settings(fc, {"hidden_act": ("silu",)}, "olmo_hybrid")
     layer_types = our_kinds(fc, LAYER_KINDS, "olmo_hybrid")
+    check_deltanet_heads(fc, "olmo_hybrid")
     rope = fc.get("rope_parameters")
     no_rope = rope is None or rope.get("rope_theta") is None  # transformers builds no rotary embedding then
     return HybridConfig(

@@ -118,10 +118,20 @@ def _fused_q_rules(config: HybridConfig) -> RenameRules:
                         for i in positions(config.layer_types, "attention")])
 
 
+def check_deltanet_heads(fc: dict, model_type: str) -> None:
+    """A Gated DeltaNet key head serves a group of consecutive value heads: refuse a checkpoint whose value heads
+    do not split into such groups, naming its own fields (HybridConfig would name ours)."""
+    keys, values = fc["linear_num_key_heads"], fc["linear_num_value_heads"]
+    if keys > 0 and values % keys:
+        raise ValueError(f"{model_type} config: linear_num_value_heads={values} is not a multiple of "
+                         f"linear_num_key_heads={keys} (each key head serves a group of consecutive value heads)")
+
+
 def config_from(fc: dict, mlp_types: list[str], model_type: str) -> HybridConfig:
     """The HybridConfig of a Qwen3-Next-style text config (Qwen3.5's too) whose MLP plan is ``mlp_types``."""
     require_settings(fc, {"hidden_act": ("silu",)}, model_type)
     layer_types = our_kinds(fc, LAYER_KINDS, model_type)
+    check_deltanet_heads(fc, model_type)
     if "moe" in mlp_types and not fc["shared_expert_intermediate_size"]:
         raise ValueError(f"{model_type} config: shared_expert_intermediate_size=0 is not supported (its gated "
                          "shared expert would be empty)")
