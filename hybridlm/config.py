@@ -231,6 +231,8 @@ class HybridConfig(PreTrainedConfig):
     def _resolve_layers(self) -> None:
         plans, jamba_default = self._mixer_plans()
         self.layer_types = self._agree("layer_types", plans, jamba_default)
+        if not self.layer_types:
+            _fail("layer_types", self.layer_types, "a model needs at least one layer")
         if self.num_hidden_layers is None:
             self.num_hidden_layers = len(self.layer_types)
         if len(self.layer_types) != self.num_hidden_layers:

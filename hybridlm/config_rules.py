@@ -109,11 +109,14 @@ def field_hints(config_class) -> dict[str, typing.Any]:
 
 
 def check_dtype(value) -> None:
-    """``dtype`` (transformers' field): None, a torch dtype, or the name of one (``"bfloat16"``)."""
-    if value is None or isinstance(value, torch.dtype):
+    """``dtype`` (transformers' field): None, or a floating-point torch dtype a model computes in (16 bits or more),
+    or its name (``"bfloat16"``)."""
+    if value is None:
         return
-    if not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
-        raise invalid_config("dtype", value, "must be None, a torch.dtype or its name ('float32', 'bfloat16', ...)")
+    dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
+        raise invalid_config("dtype", value, "must be None, or a floating-point torch.dtype of 16 bits or more or its "
+                                             "name ('float32', 'bfloat16', 'float16', 'float64')")
 
 
 def check_router(config) -> None:

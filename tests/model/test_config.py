@@ -82,6 +82,7 @@ NAN, INF = float("nan"), float("inf")
     (dict(hidden_size=512.0), "hidden_size"),
     (dict(num_hidden_layers="8"), "num_hidden_layers"),
     (dict(layer_types="attention"), "layer_types"),
+    (dict(layer_types=[]), "layer_types"),
     (dict(num_attention_heads=8.0), "num_attention_heads"),
     (dict(mamba_dt_rank="big"), "mamba_dt_rank"),
     (dict(rope_theta=0), "rope_theta"),
@@ -94,6 +95,10 @@ NAN, INF = float("nan"), float("inf")
     (dict(layer_pattern="S", mamba2_dt_limit=[0.0, NAN]), "mamba2_dt_limit"),
     (dict(dtype="float33"), "dtype"),
     (dict(torch_dtype="float33"), "dtype"),
+    (dict(dtype="int64"), "dtype"),
+    (dict(dtype=torch.int8), "dtype"),
+    (dict(dtype=torch.float8_e4m3fn), "dtype"),
+    (dict(dtype="Tensor"), "dtype"),
     (dict(sliding_window=True), "sliding_window"),
     (dict(attention_bias="yes"), "attention_bias"),
     (dict(tie_word_embeddings=1), "tie_word_embeddings"),
@@ -107,6 +112,11 @@ def test_wrong_types_and_ranges_name_the_field(kwargs, field):
     """Each of these used to be accepted silently or to crash with an error naming no field."""
     with pytest.raises(ValueError, match=f"HybridConfig.{field}="):
         HybridConfig(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", [None, "float32", "bfloat16", torch.float16, torch.float64])
+def test_floating_point_dtypes_are_accepted(dtype):
+    assert HybridConfig(dtype=dtype).dtype == (getattr(torch, dtype) if isinstance(dtype, str) else dtype)
 
 
 def test_heads_that_do_not_divide_hidden_size():
