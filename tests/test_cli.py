@@ -93,8 +93,8 @@ def test_info_rejects_a_bad_config_file(capsys, tmp_path):
 def test_bench_prints_the_comparison(capsys):
     main(["bench", "--contexts", "32", "64", "--steps", "2", "--scan-length", "64"])
     out = capsys.readouterr().out
-    for name in ("all-attention", "jamba 1:7", "all-mamba2", "selective_scan", "ssd_chunk_scan", "speedup (median)",
-                 "speedup (min)", "min / median"):
+    for name in ("all-attention", "jamba 1:7", "all-mamba2", "qwen3-next 3:1", "selective_scan", "ssd_chunk_scan",
+                 "speedup (median)", "speedup (min)", "min / median"):
         assert name in out
 
 
