@@ -1,6 +1,8 @@
 """The models shipped in the package: present, small, loadable by transformers' Auto classes, and trained."""
 
+import glob
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,3 +41,16 @@ def test_bundled_hybrid_predicts_python():
     top5 = logits.topk(5, dim=-1).indices
     hits = (top5 == ids[0, 1:, None]).any(-1).float().mean().item()
     assert hits > 0.6, hits
+
+
+def test_package_data_ships_every_bundled_file():
+    """pyproject's package-data globs (resolved as setuptools does, from the package directory) cover every file
+    of every bundled model, so a wheel carries them; checked by hand too: the wheel lists all 12 files."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    package = Path(bundled_model_dir()).parents[1]
+    patterns = tomllib.loads((package.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {Path(name) for pattern in patterns["hybridlm"] for name in glob.glob(pattern, root_dir=package)}
+    bundled = {path.relative_to(package) for name in BUNDLED_MODELS for path in bundled_model_dir(name).iterdir()
+               if path.is_file()}
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= {path.name for path in bundled}
+    assert bundled <= shipped, f"not in the wheel: {sorted(map(str, bundled - shipped))}"
