@@ -132,6 +132,25 @@ def test_same_weights_and_step_redraw_the_same_features_whatever_the_global_rng(
     assert not torch.equal(history[4][0], history[4][1]) and not torch.equal(history[4][0], history[2][0])
 
 
+def test_the_training_loop_redraws_once_per_optimizer_step(tmp_path):
+    """Three optimizer steps of two micro-batches each, with activation checkpointing: six forwards and six
+    recomputes, but the step count is 3 and the features are those of one redraw (at step 2)."""
+    from hybridlm.training.loop import TrainConfig, train
+    from tests.training.test_loop import tiny_rows
+
+    model = tiny_model(layer_pattern="PA", performer_redraw_interval=2)
+    expected = copy.deepcopy(model)
+    for _ in range(3):
+        expected.after_optimizer_step()
+    config = TrainConfig(steps=3, batch_size=4, grad_accum=2, checkpointing=True, warmup=0, log_every=10,
+                         eval_every=100, save_every=100)
+    train(model, tiny_rows(), config, tmp_path)
+    assert [int(m.optimizer_steps) for m in model.modules() if hasattr(m, "optimizer_steps")] == [3]
+    assert all(torch.equal(a, b) for a, b in zip(performer_projections(model), performer_projections(expected)))
+    assert not torch.equal(performer_projections(model)[0], performer_projections(tiny_model(
+        layer_pattern="PA", performer_redraw_interval=2))[0])  # redrawn: not the initial features
+
+
 def test_redrawn_features_are_orthogonal_blocks_of_gaussian_norms():
     mixer, config = build("performer", performer_redraw_interval=1, performer_num_features=20)
     mixer.after_optimizer_step()
