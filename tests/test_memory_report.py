@@ -91,3 +91,78 @@ def test_context_bench_rows_measure_held_bytes():
     size = {(r["policy"], r["context"]): r["cache_bytes"] for r in rows}
     assert size["sinks", 16] == size["sinks", 48] < size["4-bit", 48] < size["fp", 48]
     assert all(r["decode"].median_ms > 0 and r["peak_rss_mib"] > 0 for r in rows)
+
+
+# Published config.json values: Mixtral-8x7B-v0.1, Qwen2-7B, Qwen3-8B (46.7B, 7.62B and 8.2B parameters)
+MIXTRAL_8X7B = dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+                    num_experts_per_tok=2, sliding_window=None, rope_theta=1e6, tie_word_embeddings=False)
+QWEN2_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6,
+                use_sliding_window=False, sliding_window=131072, tie_word_embeddings=False)
+QWEN3_8B = dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6,
+                tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("config, layers, kv_heads, parameters", [
+    (MIXTRAL_8X7B, 32, 8, 46.70e9), (QWEN2_7B, 28, 4, 7.62e9), (QWEN3_8B, 36, 8, 8.19e9)],
+    ids=["mixtral-8x7b", "qwen2-7b", "qwen3-8b"])
+def test_plain_transformers_are_read_as_all_attention(config, layers, kv_heads, parameters):
+    r = row(config, context=4096)
+    assert r["bytes_per_token"] == r["bytes_per_token_by_kind"]["attention"] == layers * 2 * kv_heads * 128 * 2
+    assert abs(r["weight_bytes"] / 2 - parameters) < 0.01e9
+    assert r["kv_bytes"] == layers * (4096 * 2 * kv_heads * 128 * 2 + 8)  # + each layer's int64 padding counter
+    assert r["fixed_bytes"] == 8  # nothing that does not grow but the cache's own counter
+
+
+# transformers' default config of each foreign format, made hybrid where the default is all-SSM and with fewer
+# experts where many make the meta model slow to build
+FOREIGN_OVERRIDES = {
+    "bamba": dict(attn_layer_indices=[4, 12, 20]),
+    "granitemoehybrid": dict(num_local_experts=8, layer_types=["mamba"] * 3 + ["attention"] + ["mamba"] * 28),
+    "kimi_linear": dict(num_experts=8),
+    "lfm2_moe": dict(num_experts=4, layer_types=["conv", "full_attention"] * 16),
+    "qwen3_5_moe": dict(text_config=dict(num_experts=8)),
+    "qwen3_5_moe_text": dict(num_experts=8),
+    "qwen3_next": dict(num_experts=10),
+}
+# mamba-ssm's own config.json (no model_type): a Mamba-2 stack with 6 attention layers of 5 KV heads
+MAMBA_SSM_HYBRID = dict(d_model=2560, n_layer=64, vocab_size=50277, ssm_cfg=dict(layer="Mamba2"),
+                        attn_layer_idx=[9, 18, 27, 36, 45, 56], d_intermediate=0, tie_embeddings=True,
+                        attn_cfg=dict(causal=True, head_dim=128, num_heads=30, num_heads_kv=5, rotary_emb_dim=64))
+
+
+def foreign_config(model_type: str) -> dict:
+    if model_type == "mamba_ssm":
+        return MAMBA_SSM_HYBRID
+    import transformers
+
+    return transformers.AutoConfig.for_model(model_type, **FOREIGN_OVERRIDES.get(model_type, {})).to_dict()
+
+
+def expected_growth(config) -> dict:
+    """Bytes per token of each growing kind, from the config alone (16-bit): 2 vectors per KV head and token in
+    every attention layer and shared-block application, one latent plus rotary key per token in an MLA layer."""
+    kv = 2 * config.num_key_value_heads * config.head_dim * 2
+    parts = [part for kind in config.layer_types for part in kind.split("+")]
+    growth = {"attention": parts.count("attention") * kv,
+              "shared_attention": len(config.shared_block_layers or []) * kv,
+              "mla": parts.count("mla") * (config.mla_kv_lora_rank + config.mla_qk_rope_head_dim) * 2}
+    return {kind: float(b) for kind, b in growth.items() if b}
+
+
+def test_every_foreign_format_is_reported():
+    from hybridlm.formats.base import FORMATS
+
+    reported = {}
+    for model_type in sorted(FORMATS):
+        config = read_any_config(foreign_config(model_type))
+        (r,) = memory_rows(config, [4096], kv_bits=[16])
+        assert r["bytes_per_token_by_kind"] == expected_growth(config), model_type
+        assert r["bytes_per_token"] == sum(r["bytes_per_token_by_kind"].values())
+        assert r["bytes_per_request"] == r["fixed_bytes"] + r["kv_bytes"] and r["weight_bytes"] > 0
+        reported[model_type] = r["bytes_per_token"]
+    assert reported["mamba_ssm"] == 6 * 2 * 5 * 128 * 2 and reported["jamba"] == 4 * 2 * 8 * 128 * 2
+    assert reported["mamba2"] == reported["mamba"] == 0  # nothing grows: fixed-size states only
+    assert reported["zamba2"] > 0 and reported["kimi_linear"] > 0  # shared attention blocks; MLA latents

@@ -57,14 +57,11 @@ def read_any_config(source: str | Path | dict) -> HybridConfig:
         if not path.is_file():
             raise FileNotFoundError(f"--model: no config file at {path}")
         raw = json.loads(path.read_text())
-    model_type = raw.get("model_type")
-    if model_type in (None, "hybridlm"):
-        return HybridConfig(**raw)
-    if model_type in PLAIN_TRANSFORMERS:
+    if raw.get("model_type") in PLAIN_TRANSFORMERS:
         return plain_transformer_config(raw)
-    from .. import formats
+    from ..formats.base import to_hybrid_config
 
-    return formats.detect(raw).to_config(raw)
+    return to_hybrid_config(raw)  # hybridlm's own, or a foreign format (by model_type, or mamba-ssm's by its keys)
 
 
 def _kv_layouts(cache) -> list[tuple[str, KVLayout]]:
@@ -80,7 +77,8 @@ def memory_rows(config: HybridConfig, contexts: list[int], batch: int = 1, kv_bi
                 name: str = "model") -> list[dict]:
     """One row per (kv_bits, context): ``bytes_per_token`` (attention KV growth per token, averaged up to the
     context), ``bytes_per_request`` (everything the cache holds at that context), ``kv_bytes``, ``fixed_bytes``
-    (states that do not grow), ``by_kind`` and ``weight_bytes``."""
+    (states that do not grow), ``by_kind`` (bytes held per layer kind), ``bytes_per_token_by_kind`` (the
+    growth per token of each growing kind: attention, mla, shared attention) and ``weight_bytes``."""
     from ..model import HybridForCausalLM
 
     for value, field in [(batch, "batch"), *((c, "context") for c in contexts)]:
@@ -99,12 +97,15 @@ def memory_rows(config: HybridConfig, contexts: list[int], batch: int = 1, kv_bi
         empty_by_kind = cache.nbytes_by_kind()
         for context in contexts:
             kv = sum(layout.predicted_nbytes(context) for _, layout in layouts)
-            by_kind = dict(empty_by_kind)
+            by_kind, growth = dict(empty_by_kind), {}
             for kind, layout in layouts:  # each growing kind (attention, mla) by its own layouts
-                by_kind[kind] += layout.predicted_nbytes(context) - layout.predicted_nbytes(0)
+                grown = layout.predicted_nbytes(context) - layout.predicted_nbytes(0)
+                by_kind[kind] += grown
+                growth[kind] = growth.get(kind, 0) + grown
             rows.append(dict(model=name, context=context, kv_bits=bits, batch=batch,
                              bytes_per_token=(kv - empty_kv) / context, bytes_per_request=fixed + kv, kv_bytes=kv,
-                             fixed_bytes=fixed, by_kind=by_kind, weight_bytes=weight_bytes))
+                             fixed_bytes=fixed, by_kind=by_kind, weight_bytes=weight_bytes,
+                             bytes_per_token_by_kind={kind: grown / context for kind, grown in growth.items()}))
     return rows
 
 
