@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
                                                   "compile, 10-60 s on a CPU)"),
 )
 def run_generate(args) -> None:
+    from .paths import local_directory
+
+    local = local_directory(args.model) if args.model else None  # a mistyped path fails before torch loads
     import torch
 
     from .bundled import bundled_model_dir
@@ -95,7 +98,7 @@ def run_generate(args) -> None:
     from .formats.base import resolve_directory
     from .training.tokenizer import tokenizer_for
 
-    directory = resolve_directory(args.model) if args.model else bundled_model_dir()
+    directory = local or (resolve_directory(args.model) if args.model else bundled_model_dir())
     model = load(directory, dtype=torch.float32)
     tokenizer = tokenizer_for(directory, model.config.vocab_size)
     if args.prompt is not None:
@@ -126,6 +129,9 @@ def run_generate(args) -> None:
     option("--to", required=True, help="hybridlm, or a model_type such as jamba, mamba2, bamba"),
 )
 def run_convert(args) -> None:
+    from .paths import local_directory
+
+    local_directory(args.src)  # a mistyped path fails before torch loads
     from .formats import load
 
     model = load(args.src)

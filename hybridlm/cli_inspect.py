@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from .cli_common import command, option, print_stream
+from .paths import existing_config
 from .presets import PRESETS  # names and settings only: no torch
 
 DEFAULT_PRESET = "jamba-small"
@@ -23,13 +22,9 @@ def _build(config, seed: int = 0):
 
 def _config_from(path: str):
     """The HybridConfig of a ``config.json``, or of the one in a checkpoint directory (any supported format)."""
+    file = existing_config(path, "--config")  # a mistyped path fails before torch loads
     from .formats.base import read_config, to_hybrid_config
 
-    file = Path(path)
-    if file.is_dir():
-        file = file / "config.json"
-    elif not file.exists():
-        raise FileNotFoundError(f"--config {path}: no such file or directory")
     return to_hybrid_config(read_config(file))
 
 
@@ -202,10 +197,11 @@ def _bench_context(models, args) -> None:
 def run_memory(args) -> None:
     import json
 
+    config_file = existing_config(args.model, "--model")  # a mistyped path fails before torch loads
     from .bench import table
     from .kv.memory import memory_rows, read_any_config
 
-    rows = memory_rows(read_any_config(args.model), args.context, args.batch, args.kv_bits, name=args.model)
+    rows = memory_rows(read_any_config(config_file), args.context, args.batch, args.kv_bits, name=args.model)
     if args.json:
         print(json.dumps(rows, indent=1))
         return

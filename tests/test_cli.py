@@ -251,6 +251,20 @@ def test_help_and_usage_errors_import_neither_torch_nor_transformers(argv):
         assert "invalid choice" in err and "jamba-small" in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "{missing}", "--ids", "1"], "directory {missing} does not exist"),
+    (["convert", "{missing}", "{missing}-out", "--to", "jamba"], "directory {missing} does not exist"),
+    (["info", "--config", "{missing}"], "--config {missing}: no such file or directory"),
+    (["memory", "--model", "{missing}"], "--model {missing}: no such file or directory"),
+    (["info", "--config", "{empty}"], "--config {empty}: no config.json in that directory"),
+], ids=["generate", "convert", "info", "memory", "info-empty-dir"])
+def test_a_mistyped_path_is_answered_before_torch_is_imported(argv, message, tmp_path):
+    paths = {"missing": str(tmp_path / "no-such-dir"), "empty": str(tmp_path)}
+    code, err, modules = modules_after([arg.format(**paths) for arg in argv])
+    assert code == 2 and message.format(**paths) in err
+    assert "torch" not in modules and "transformers" not in modules
+
+
 def test_timing_reports_min_and_median_after_warmup():
     assert Timing.of([0.003, 0.001, 0.002]) == Timing(1.0, 2.0)
     assert format(Timing(1.0, 2.5), ".1f") == "1.0 / 2.5"

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..config import HybridConfig
+from ..paths import local_directory
 from .mapping import StateDict, differences
 
 
@@ -109,26 +110,13 @@ def _decode_floats(obj):
 _CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.bin", "*.model", "*.txt", "*.jinja"]
 
 
-def looks_local(path: str | os.PathLike) -> bool:
-    """Whether ``path`` can only mean a local directory: absolute, starting with ``.`` or ``~``, or inside a
-    directory that exists here (``checkpoints/run1`` when ``checkpoints/`` exists). A hub id is
-    ``name`` or ``owner/name``."""
-    text = os.fspath(path)
-    local = Path(text)
-    return (local.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or "\\" in text
-            or (len(local.parts) > 1 and local.parent.is_dir()))
-
-
 def resolve_directory(path: str | os.PathLike) -> Path:
     """A local directory as is; otherwise a hub id, from huggingface_hub's cache when it is there (no network
-    call), else downloaded. A path that :func:`looks_local` but does not exist is an error saying so."""
-    local = Path(path).expanduser()
-    if local.is_dir():
+    call), else downloaded. A path that :func:`~hybridlm.paths.looks_local` but does not exist is an error saying
+    so."""
+    local = local_directory(path)
+    if local is not None:
         return local
-    if local.exists():
-        raise NotADirectoryError(f"{path} is a file; a checkpoint is a directory holding config.json and weights")
-    if looks_local(path):
-        raise FileNotFoundError(f"directory {path} does not exist")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
