@@ -29,10 +29,10 @@ def tiny_rows():
     return pack_documents(stream, SEQ_LEN, EOS)
 
 
-def build_model():
+def build_model(seed: int = 1):
     """Mamba-2, Performer and attention layers, MoE in every other layer (router aux loss off: it is
     a per-rank mean, so with it the runs agree only approximately)."""
-    return tiny_model(seed=1, layer_pattern="SPA", expert_layer_period=2, expert_layer_offset=1,
+    return tiny_model(seed=seed, layer_pattern="SPA", expert_layer_period=2, expert_layer_offset=1,
                       router_aux_loss_coef=0.0).train()
 
 
@@ -49,7 +49,9 @@ def main(argv=None):
     # constant learning rate: a run stopped at step k and resumed with more steps follows the same schedule
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=2, lr=1e-2, warmup=0,
                          min_lr_ratio=1.0, log_every=1, eval_every=1000, save_every=args.steps)
-    model = build_model()
+    # each rank draws its own init and Performer features: the wrap must give every rank rank 0's (seed 1, as the
+    # single-process reference)
+    model = build_model(seed=1 + parallel.rank)
     train(model, tiny_rows(), config, args.out, resume=args.resume, parallel=parallel)
     full = parallel.full_model(model)  # FSDP: gathered from the shards on rank 0
     if parallel.is_main:
