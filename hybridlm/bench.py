@@ -102,20 +102,37 @@ def decode_timing(model: HybridForCausalLM, context: int, steps: int = 8, batch:
 def context_rows(models: dict[str, HybridForCausalLM], policies: dict, contexts: list[int], steps: int = 4,
                  warmup: int = 1) -> list[dict]:
     """For each stack and cache policy (``{label: CachePolicy or None}``), at each context: the cache bytes
-    held (``nbytes()``), the decode :class:`Timing` and the process's peak RSS so far. The cache is filled
-    through each layout's own update in chunks (:func:`fill_cache`), so peak memory stays bounded by the cache."""
-    import resource
-
+    held (``nbytes()``), the decode :class:`Timing` and the process's peak RSS while measuring that row (see
+    :func:`peak_rss_mib`). The cache is filled through each layout's own update in chunks (:func:`fill_cache`),
+    so peak memory stays bounded by the cache."""
     rows = []
     for stack, model in models.items():
         for label, policy in policies.items():
             for context in contexts:
+                peak_rss_mib(reset=True)
                 cache = model.new_cache(1, policy=policy)
                 fill_cache(cache, context)
-                rows.append(dict(stack=stack, policy=label, context=context, cache_bytes=cache.nbytes(),
+                held = cache.nbytes()
+                del cache  # one cache at a time: the timed one is filled afresh
+                rows.append(dict(stack=stack, policy=label, context=context, cache_bytes=held,
                                  decode=decode_timing(model, context, steps, warmup=warmup, policy=policy),
-                                 peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+                                 peak_rss_mib=peak_rss_mib()))
     return rows
+
+
+def peak_rss_mib(reset: bool = False) -> float:
+    """The process's peak resident memory in MiB since the last ``reset=True`` (Linux resets it through
+    ``/proc/self/clear_refs``); where that is impossible, the peak since the process started (``ru_maxrss``)."""
+    try:
+        if reset:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+        with open("/proc/self/status") as handle:
+            return next(int(line.split()[1]) for line in handle if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def plot_context_rows(rows: list[dict], path: str) -> str:

@@ -166,3 +166,16 @@ def test_every_foreign_format_is_reported():
     assert reported["mamba_ssm"] == 6 * 2 * 5 * 128 * 2 and reported["jamba"] == 4 * 2 * 8 * 128 * 2
     assert reported["mamba2"] == reported["mamba"] == 0  # nothing grows: fixed-size states only
     assert reported["zamba2"] > 0 and reported["kimi_linear"] > 0  # shared attention blocks; MLA latents
+
+
+def test_context_bench_peak_rss_is_each_rows_own():
+    """A bounded cache measured after a large one reports its own peak, not the process's high-water mark."""
+    from hybridlm import CachePolicy
+    from hybridlm.bench import context_rows
+    from tests.helpers import tiny_model
+
+    model = tiny_model(layer_pattern="A", hidden_size=256, num_attention_heads=4, num_key_value_heads=4)
+    policies = {"fp": None, "sinks": CachePolicy(sink_tokens=2, window=6)}
+    full, bounded = context_rows({"A": model}, policies, [65536], steps=1, warmup=0)
+    assert full["cache_bytes"] > 2**27  # 128 MiB of keys and values (2 KiB per token)
+    assert full["peak_rss_mib"] - bounded["peak_rss_mib"] > 0.5 * full["cache_bytes"] / 2**20
