@@ -179,3 +179,17 @@ def test_context_bench_peak_rss_is_each_rows_own():
     full, bounded = context_rows({"A": model}, policies, [65536], steps=1, warmup=0)
     assert full["cache_bytes"] > 2**27  # 128 MiB of keys and values (2 KiB per token)
     assert full["peak_rss_mib"] - bounded["peak_rss_mib"] > 0.5 * full["cache_bytes"] / 2**20
+
+
+def test_bench_context_command_prints_the_table_and_draws_the_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from hybridlm.cli import main
+
+    plot = tmp_path / "context.png"
+    main(["bench", "context", "--contexts", "200", "--steps", "1", "--warmup", "0", "--plot", str(plot)])
+    printed = capsys.readouterr().out
+    for stack, policy in [("all-attention", "fp"), ("all-attention", "4-bit"), ("jamba 1:7", "8-bit"),
+                          ("jamba 1:7", "sinks 4 + window 1020"), ("all-mamba2", "fp")]:
+        assert any(stack in line and policy in line for line in printed.splitlines()), (stack, policy)
+    assert "peak RSS MiB" in printed and f"wrote {plot}" in printed
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
