@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from . import cli_inspect  # noqa: F401  (registers demo, info, build-kernels, bench, memory: listed first)
-from .cli_common import COMMANDS, command, option, print_stream
+from .cli_common import COMMANDS, KV_BITS, command, non_negative_int, option, positive_int, print_stream, token_ids
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -66,23 +66,26 @@ def main(argv: list[str] | None = None) -> None:
                 "hybrid (hybridlm.bundled_model_dir())"),
     option("--prompt", help="text prompt, encoded with the checkpoint's tokenizer (or as UTF-8 bytes for a "
                             "byte-level model without one); default: give --ids instead"),
-    option("--ids", help="comma-separated token ids, instead of --prompt; default: give --prompt instead"),
-    option("--max-new-tokens", type=int, default=64, help="tokens to generate at most"),
+    option("--ids", type=token_ids,
+           help="comma-separated token ids, instead of --prompt; default: give --prompt instead"),
+    option("--max-new-tokens", type=non_negative_int, default=64, help="tokens to generate at most"),
     option("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy"),
-    option("--top-k", type=int, help="sample from the k most likely tokens only; default: no top-k filtering"),
+    option("--top-k", type=positive_int, help="sample from the k most likely tokens only; default: no top-k filtering"),
     option("--top-p", type=float, help="nucleus sampling threshold in (0, 1]; default: no top-p filtering"),
     option("--seed", type=int, help="random seed for sampling; default: not seeded"),
-    option("--prefill-chunk", type=int, default=512, help="prompt tokens fed per forward during prefill"),
-    option("--kv-bits", type=int, default=16, help="KV cache bits: 16, or 8 / 4 / 2 (KIVI quantization)"),
-    option("--kv-residual", type=int, default=128,
+    option("--prefill-chunk", type=positive_int, default=512, help="prompt tokens fed per forward during prefill"),
+    option("--kv-bits", type=int, choices=KV_BITS, default=16,
+           help="KV cache bits: 16, or 8 / 4 / 2 (KIVI quantization)"),
+    option("--kv-residual", type=non_negative_int, default=128,
            help="with --kv-bits: recent tokens kept in full precision (lower it for a short --window)"),
-    option("--kv-group-size", type=int, default=32, help="with --kv-bits: tokens per key scale, channels per "
-                                                         "value scale"),
-    option("--sink-tokens", type=int, default=0, help="attention sinks kept with --window (StreamingLLM)"),
-    option("--window", type=int, help="keep only the last WINDOW tokens' keys and values (with --sink-tokens); "
-                                      "default: keep every token"),
-    option("--page-size", type=int, help="paged KV cache: keys and values in pages of PAGE_SIZE tokens; "
-                                         "default: one contiguous buffer per layer"),
+    option("--kv-group-size", type=positive_int, default=32,
+           help="with --kv-bits: tokens per key scale, channels per value scale"),
+    option("--sink-tokens", type=non_negative_int, default=0, help="attention sinks kept with --window (StreamingLLM)"),
+    option("--window", type=positive_int,
+           help="keep only the last WINDOW tokens' keys and values (with --sink-tokens); default: keep every token"),
+    option("--page-size", type=positive_int,
+           help="paged KV cache: keys and values in pages of PAGE_SIZE tokens; default: one contiguous buffer "
+                "per layer"),
     option("--compile", action="store_true", help="decode with a static cache and a step compiled by "
                                                   "torch.compile (faster per token; the first token waits for the "
                                                   "compile, 10-60 s on a CPU)"),
@@ -107,7 +110,7 @@ def run_generate(args) -> None:
                              f"{model.config.vocab_size} tokens, so it is not byte-level); give --ids instead")
         prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     elif args.ids:
-        prompt_ids = [int(token) for token in args.ids.split(",")]
+        prompt_ids = args.ids
     else:
         raise ValueError("give --prompt TEXT or --ids 1,2,3")
     eos = model.config.eos_token_id

@@ -34,6 +34,41 @@ def option(*flags: str, **settings) -> Option:
     return flags, settings
 
 
+#: KV cache bit widths (16: unquantized; 8 / 4 / 2: KIVI), as ``CachePolicy.kv_bits`` takes them.
+KV_BITS = (16, 8, 4, 2)
+
+
+def _integer_at_least(low: int):
+    """An argparse ``type``: an integer ``>= low``, else a usage error naming the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+positive_int = _integer_at_least(1)
+non_negative_int = _integer_at_least(0)
+
+
+def token_ids(text: str) -> list[int]:
+    """An argparse ``type``: comma-separated token ids (``3,1,4``)."""
+    try:
+        ids = [int(token) for token in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    if min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids must be >= 0, got {min(ids)}")
+    return ids
+
+
 def command(name: str, help: str, *options: Option):
     """Register the decorated function as ``hybridlm NAME``."""
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from .cli_common import command, option, print_stream
+from .cli_common import KV_BITS, command, non_negative_int, option, positive_int, print_stream
 from .paths import existing_config
 from .presets import PRESETS  # names and settings only: no torch
 
@@ -32,11 +32,11 @@ def _config_from(path: str):
     "demo", "The bundled 1:3 hybrid writes Python; then it and its all-attention twin side by side: held-out "
             "bits per byte, cache bytes per token and decode speed at long contexts.",
     option("--prompt", default="def fibonacci(n):\n", help="Python code for the hybrid to continue"),
-    option("--max-new-tokens", type=int, default=96, help="tokens to generate"),
-    option("--contexts", type=int, nargs="+", default=[4096, 32768], help="contexts of the decode timing"),
-    option("--eval-rows", type=int, default=16, help="held-out rows of 512 tokens for bits per byte"),
-    option("--steps", type=int, default=8, help="decode steps timed per model and context"),
-    option("--warmup", type=int, default=2, help="untimed decode steps before timing"),
+    option("--max-new-tokens", type=non_negative_int, default=96, help="tokens to generate"),
+    option("--contexts", type=positive_int, nargs="+", default=[4096, 32768], help="contexts of the decode timing"),
+    option("--eval-rows", type=positive_int, default=16, help="held-out rows of 512 tokens for bits per byte"),
+    option("--steps", type=positive_int, default=8, help="decode steps timed per model and context"),
+    option("--warmup", type=non_negative_int, default=2, help="untimed decode steps before timing"),
 )
 def run_demo(args) -> None:
     from .bench import compare_stacks, table
@@ -78,7 +78,7 @@ def run_demo(args) -> None:
                 "default: the preset"),
     option("--preset", choices=list(PRESETS), metavar="NAME",
            help=f"a preset: {', '.join(PRESETS)}; default: {DEFAULT_PRESET}"),
-    option("--context", type=int, default=4096, help="context length at which cache bytes are counted"),
+    option("--context", type=positive_int, default=4096, help="context length at which cache bytes are counted"),
     option("--backends", action="store_true", help="instead, list kernel backends and what each op uses"),
 )
 def run_info(args) -> None:
@@ -128,11 +128,11 @@ def run_build_kernels(args) -> None:
 
 @command(
     "bench", "Decode ms and cache bytes per token: attention, 1:7 hybrid, Mamba-2, Qwen3-Next 3:1; scan speedups.",
-    option("--contexts", type=int, nargs="+", default=[512, 2048, 8192], help="context lengths to decode at"),
-    option("--steps", type=int, default=8, help="timed decode steps per stack and context"),
-    option("--warmup", type=int, default=2, help="untimed runs before timing"),
-    option("--scan-length", type=int, default=2048, help="sequence length of the scan comparison"),
-    option("--scan-repeats", type=int, default=5, help="timed runs per scan"),
+    option("--contexts", type=positive_int, nargs="+", default=[512, 2048, 8192], help="context lengths to decode at"),
+    option("--steps", type=positive_int, default=8, help="timed decode steps per stack and context"),
+    option("--warmup", type=non_negative_int, default=2, help="untimed runs before timing"),
+    option("--scan-length", type=positive_int, default=2048, help="sequence length of the scan comparison"),
+    option("--scan-repeats", type=positive_int, default=5, help="timed runs per scan"),
     option("--skip-scans", action="store_true", help="leave out the scan comparison"),
     option("what", nargs="?", choices=["stacks", "context"], default="stacks",
            help="stacks: the comparison above; context: each stack with fp, 8- and 4-bit KV and sinks + window"),
@@ -189,9 +189,10 @@ def _bench_context(models, args) -> None:
     "memory", "Cache bytes per request and per token by layer kind, at contexts and KV bit widths, beside the "
               "weights' bytes, for any config hybridlm reads (plain llama / mistral / mixtral / qwen2 / qwen3 too).",
     option("--model", required=True, metavar="CONFIG_OR_DIR", help="a config.json or a checkpoint directory"),
-    option("--context", type=int, nargs="+", default=[4096, 32768, 131072], help="context lengths"),
-    option("--batch", type=int, default=1, help="sequences per request"),
-    option("--kv-bits", type=int, nargs="+", default=[16, 8, 4], help="KV bit widths (16: unquantized)"),
+    option("--context", type=positive_int, nargs="+", default=[4096, 32768, 131072], help="context lengths"),
+    option("--batch", type=positive_int, default=1, help="sequences per request"),
+    option("--kv-bits", type=int, choices=KV_BITS, nargs="+", default=[16, 8, 4],
+           help="KV bit widths (16: unquantized)"),
     option("--json", action="store_true", help="print the rows as JSON instead of a table"),
 )
 def run_memory(args) -> None:

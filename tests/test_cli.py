@@ -252,6 +252,24 @@ def test_help_and_usage_errors_import_neither_torch_nor_transformers(argv):
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["info", "--context", "0"], "argument --context: must be >= 1, got 0"),  # was a ZeroDivisionError traceback
+    (["info", "--context", "-5"], "argument --context: must be >= 1, got -5"),  # was a table for -5 tokens
+    (["bench", "--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    (["demo", "--warmup", "-1"], "argument --warmup: must be >= 0, got -1"),
+    (["memory", "--model", "x", "--batch", "0"], "argument --batch: must be >= 1, got 0"),
+    (["generate", "--ids", "3,x"], "argument --ids: '3,x' is not a comma-separated list of token ids"),
+    (["generate", "--ids", "3,-1"], "argument --ids: token ids must be >= 0, got -1"),
+    (["generate", "--ids", "3", "--kv-bits", "3"], "argument --kv-bits: invalid choice: 3"),
+    (["generate", "--ids", "3", "--window", "0"], "argument --window: must be >= 1, got 0"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
+def test_out_of_range_numbers_are_usage_errors_naming_the_option(argv, message, capsys):
+    """Refused by the parser (before anything is loaded), naming the option."""
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
     (["generate", "--model", "{missing}", "--ids", "1"], "directory {missing} does not exist"),
     (["convert", "{missing}", "{missing}-out", "--to", "jamba"], "directory {missing} does not exist"),
     (["info", "--config", "{missing}"], "--config {missing}: no such file or directory"),
