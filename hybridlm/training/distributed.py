@@ -1,7 +1,7 @@
 """How a run is spread over processes. The loop talks to one small interface (``wrap``, ``check_batch``,
-``shard``, ``no_sync``, ``sum``, ``save``, ``load``, ``full_model``, ``rank``, ``world_size``, ``is_main``);
-:class:`SingleProcess` is the plain implementation, :class:`DataParallel` (DDP) and :class:`FullyShardedParallel`
-(FSDP2) spread it over the processes ``torchrun`` starts (:func:`from_environment`).
+``shard``, ``no_sync``, ``sum``, ``broadcast_text``, ``save``, ``load``, ``full_model``, ``rank``, ``world_size``,
+``is_main``); :class:`SingleProcess` is the plain implementation, :class:`DataParallel` (DDP) and
+:class:`FullyShardedParallel` (FSDP2) spread it over the processes ``torchrun`` starts (:func:`from_environment`).
 
 Gradients are *summed* over ranks, never averaged: each rank divides its summed token loss by the target count
 of the whole global batch (see ``hybridlm.training.loop``), so the sum over ranks is exactly the single-process
@@ -49,6 +49,10 @@ class SingleProcess:
 
     def sum(self, value: float) -> float:
         return value
+
+    def broadcast_text(self, text: str | None) -> str:
+        """The main process's ``text`` on every rank."""
+        return text
 
     def save(self, out: Path, model, optimizer, scheduler, state: dict) -> None:
         save_checkpoint(out, model, optimizer, scheduler, state)
@@ -100,6 +104,11 @@ class _Distributed(SingleProcess):
         total = torch.tensor(value, dtype=torch.float64, device=self.device)
         self.dist.all_reduce(total)
         return float(total)
+
+    def broadcast_text(self, text: str | None) -> str:
+        box = [text]
+        self.dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def barrier(self) -> None:
         self.dist.barrier()

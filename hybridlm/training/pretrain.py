@@ -82,14 +82,19 @@ def _corpus(args):
     return text_corpus(args.data, args.eval_data)
 
 
-def _tokenizer(args, corpus, out: Path, resume: bool):
-    from .tokenizer import load_tokenizer, train_bpe_tokenizer
+def _tokenizer(args, corpus, out: Path, resume: bool, parallel):
+    """The run's tokenizer: ``--out``'s when resuming, ``--tokenizer``, else a BPE trained on the training text
+    (by the main process; the others receive it, so no rank reads a file another is writing)."""
+    from .tokenizer import bpe_tokenizer_from_json, load_tokenizer, train_bpe_tokenizer
 
-    if resume or args.tokenizer is None and (out / "tokenizer.json").is_file():
+    if resume:
         return load_tokenizer(out)
     if args.tokenizer is not None:
         return load_tokenizer(args.tokenizer)
-    return train_bpe_tokenizer(corpus.train_texts, args.vocab_size)
+    trained = train_bpe_tokenizer(corpus.train_texts, args.vocab_size) if parallel.is_main else None
+    if parallel.world_size == 1:
+        return trained
+    return bpe_tokenizer_from_json(parallel.broadcast_text(trained and trained.backend_tokenizer.to_str()))
 
 
 def build_model(spec: str, vocab_size: int, seed: int):
@@ -142,7 +147,7 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     corpus = _corpus(args)
-    tokenizer = _tokenizer(args, corpus, out, args.resume)
+    tokenizer = _tokenizer(args, corpus, out, args.resume, parallel)
     model = build_model(args.model, len(tokenizer), args.seed)
     limit = model.config.max_length_limit
     if limit is not None and args.seq_len > limit:

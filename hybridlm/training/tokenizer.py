@@ -13,7 +13,6 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
     with one special token, ``<|endoftext|>``, that separates documents. Returns a
     ``PreTrainedTokenizerFast``; ``save_pretrained`` writes ``tokenizer.json`` + ``tokenizer_config.json``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 257 + 1:
         raise ValueError(f"--vocab-size {vocab_size}: a byte-level BPE needs at least 258 entries (256 bytes, "
@@ -24,6 +23,19 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    return _wrapped(tokenizer)
+
+
+def bpe_tokenizer_from_json(text: str):
+    """The tokenizer :func:`train_bpe_tokenizer` returned, from its ``backend_tokenizer.to_str()``."""
+    from tokenizers import Tokenizer
+
+    return _wrapped(Tokenizer.from_str(text))
+
+
+def _wrapped(tokenizer):
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
                                    unk_token=None, model_max_length=1 << 30)
 
@@ -39,7 +51,6 @@ def load_tokenizer(path: str | Path):
     if tokenizer.eos_token_id is None:
         raise ValueError(f"--tokenizer {path}: the tokenizer has no eos_token to separate documents")
     return tokenizer
-
 
 
 class ByteTokenizer:

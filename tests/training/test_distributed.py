@@ -18,6 +18,7 @@ from hybridlm.training.loop import _param_groups
 
 from ..helpers import assert_close_rel
 from . import distributed_worker
+from .conftest import args_for
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -67,6 +68,30 @@ def test_two_processes_train_like_one(parallel, reference, tmp_path):
         resumed = _losses(tmp_path / parallel)
         assert len(resumed) == 7
         assert_close_rel(resumed[5:], reference[5:], rel=1e-4)
+
+
+def test_the_recipe_under_torchrun_trains_like_one_process(corpus, model_file, tmp_path):
+    """``torchrun ... recipes/pretrain.py --parallel fsdp``: the whole recipe (a BPE trained by rank 0 and received
+    by rank 1, packing, evaluation, the model gathered and saved with its tokenizer) gives the single-process
+    losses, and its output loads."""
+    from transformers import AutoTokenizer
+
+    from hybridlm.training import pretrain
+
+    pretrain.main(args_for(corpus, model_file, tmp_path / "single", "--steps", "4"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "recipes/pretrain.py", "--parallel", "fsdp", "--threads", "1",
+               *args_for(corpus, model_file, tmp_path / "fsdp", "--steps", "4")]
+    result = subprocess.run(command, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert_close_rel(_losses(tmp_path / "fsdp"), _losses(tmp_path / "single"), rel=1e-4)
+    assert AutoTokenizer.from_pretrained(tmp_path / "fsdp").get_vocab() == \
+        AutoTokenizer.from_pretrained(tmp_path / "single").get_vocab()
+    ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = HybridForCausalLM.from_pretrained(tmp_path / "single").eval()(ids).logits
+        assert_close_rel(HybridForCausalLM.from_pretrained(tmp_path / "fsdp").eval()(ids).logits, expected, rel=1e-4)
 
 
 def test_world_size_must_divide_the_micro_batch(tmp_path):

@@ -12,35 +12,7 @@ from safetensors.torch import load_file
 from hybridlm.training import pretrain
 from hybridlm.training.packing import pack_documents, rows_for_step
 
-TINY_MODEL = dict(hidden_size=32, layer_pattern="SASM", num_attention_heads=4, num_key_value_heads=2,
-                  intermediate_size=48, mamba_d_state=4, mamba2_d_state=8, mamba2_head_dim=16, mamba2_chunk_size=8)
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """A few small Python files from the standard library: real text, tiny."""
-    import csv
-    import heapq
-    import textwrap
-
-    root = tmp_path_factory.mktemp("corpus")
-    for module in (csv, heapq, textwrap):
-        (root / Path(module.__file__).name).write_text(Path(module.__file__).read_text()[:6000])
-    return root
-
-
-@pytest.fixture(scope="module")
-def model_file(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("config") / "tiny.json"
-    path.write_text(json.dumps(TINY_MODEL))
-    return path
-
-
-def args_for(corpus: Path, model: Path | str, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(model), "--data", str(corpus / "csv.py"), str(corpus / "heapq.py"), "--eval-data",
-            str(corpus / "textwrap.py"), "--vocab-size", "300", "--seq-len", "32", "--batch-size", "4",
-            "--lr", "1e-2", "--warmup", "2", "--eval-every", "3", "--eval-rows", "2", "--save-every", "3",
-            "--log-every", "1", "--sample", "", "--out", str(out), *extra]
+from .conftest import TINY_MODEL, args_for
 
 
 def test_packing_restarts_positions_at_document_starts():
@@ -174,3 +146,15 @@ def test_hybridlm_train_is_the_same_pretraining(corpus, model_file, tmp_path):
     got = load_file(tmp_path / "cli" / "model.safetensors")
     assert expected.keys() == got.keys()
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+def test_a_new_run_trains_its_own_tokenizer_whatever_out_holds(corpus, model_file, tmp_path):
+    """A tokenizer left in --out by a run stopped before its first checkpoint is not silently reused: the new run
+    trains the --vocab-size it was given (only --resume reads --out's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from hybridlm.training.tokenizer import train_bpe_tokenizer
+
+    train_bpe_tokenizer(["def f(x):\n    return x\n"] * 4, vocab_size=270).save_pretrained(tmp_path)
+    pretrain.main(args_for(corpus, model_file, tmp_path, "--steps", "1"))
+    assert len(AutoTokenizer.from_pretrained(tmp_path)) == 300
