@@ -71,7 +71,9 @@ def _wy_terms(kc, vc, bc, G, G_at) -> tuple[torch.Tensor, torch.Tensor]:
     eye = torch.eye(kc.shape[-2], dtype=kc.dtype, device=kc.device)
     system = eye + bc.unsqueeze(-1) * _decayed_products(kc, kc, G, -1)  # [..., l, l]
     rhs = bc.unsqueeze(-1) * torch.cat([vc, kc * G_at.exp()], dim=-1)  # [..., l, dim_v + dim_k]
-    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    # solved transposed (X system^T = rhs^T): the same system, but LAPACK then reads the row-major rhs without the
+    # transposing copy a left solve makes; about 3x faster on CPU at chunk 64, dim_v + dim_k = 128
+    solved = torch.linalg.solve_triangular(system.mT, rhs.mT, upper=True, left=False, unitriangular=True).mT
     return solved.split([vc.shape[-1], kc.shape[-1]], -1)
 
 
@@ -110,7 +112,7 @@ def gated_delta_rule_ref(
 
     def chunked(t: torch.Tensor, pattern: str) -> torch.Tensor:
         t = F.pad(t.to(dtype), (0, 0) * (t.dim() - 2) + (0, pad))
-        return rearrange(t, pattern, l=chunk)
+        return rearrange(t, pattern, l=chunk).contiguous()  # one copy here, not one per matrix product below
 
     group = heads // key_heads  # value heads per key head
     qc = chunked(q.repeat_interleave(group, dim=2) * scale, "b (c l) h d -> b h c l d")
