@@ -31,6 +31,36 @@ def check_embeddings(inputs_embeds: torch.Tensor, hidden_size: int, dtype: torch
     _check_placement("inputs_embeds", inputs_embeds, device)
 
 
+def check_position_ids(position_ids: torch.Tensor, batch: int, time: int) -> None:
+    """``position_ids [batch or 1, time]`` of an integer type (they index rotary tables and projection columns)."""
+    if position_ids.dim() != 2 or position_ids.shape[1] != time or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"position_ids must be [batch, {time}] or [1, {time}], got {tuple(position_ids.shape)}")
+    if position_ids.dtype not in ID_DTYPES:
+        raise TypeError(f"position_ids must be torch.long (or torch.int32), got {position_ids.dtype}")
+
+
+def check_labels(labels: torch.Tensor, logits_shape: torch.Size) -> None:
+    """``labels [batch, time]`` matching the logits ``[batch, time, vocab]``: integer ids in ``[0, vocab)``, or
+    -100 where no token is predicted."""
+    batch, time, vocab = logits_shape
+    if labels.dtype not in ID_DTYPES:
+        raise TypeError(f"labels must hold integer token ids as torch.long (or torch.int32), got {labels.dtype}")
+    if tuple(labels.shape) != (batch, time):
+        raise ValueError(f"labels must be [batch, time] = {(batch, time)} like the logits, got {tuple(labels.shape)}")
+    targets = labels[labels != -100]
+    if targets.numel():
+        low, high = torch.stack([targets.min(), targets.max()]).tolist()  # one device sync
+        if low < 0 or high >= vocab:
+            raise ValueError(f"labels must lie in [0, vocab_size={vocab}) or be -100 (ignored), got values in "
+                             f"[{low}, {high}]")
+
+
+def check_logits_to_keep(logits_to_keep) -> None:
+    """``logits_to_keep``: how many of the last positions get logits; 0 keeps all."""
+    if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool) or logits_to_keep < 0:
+        raise ValueError(f"logits_to_keep must be an int >= 0 (0: logits at every position), got {logits_to_keep!r}")
+
+
 def check_cache_device(cache, device: torch.device) -> None:
     if cache.positions.device != device:
         raise ValueError(f"cache is on {cache.positions.device} but the model on {device}: move it with "

@@ -16,7 +16,7 @@ from .cache import HybridCache, LayerState, StateGroup
 from .cache_construction import CacheConstruction
 from .config import HybridConfig
 from .hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
-from .inputs import check_embeddings, check_token_ids
+from .inputs import check_embeddings, check_labels, check_logits_to_keep, check_position_ids, check_token_ids
 from .layers.mlp import MLP, MoE, load_balancing_loss
 from .layers.norms import RMSNorm
 from .mixers import Mixer, build_mixer
@@ -260,10 +260,7 @@ class HybridModel(CacheConstruction, HybridPreTrainedModel):
 
     def _positions(self, position_ids, mask, cache, batch, time, device) -> torch.Tensor:
         if position_ids is not None:
-            if position_ids.dim() != 2 or position_ids.shape[1] != time or position_ids.shape[0] not in (1, batch):
-                raise ValueError(
-                    f"position_ids must be [batch, {time}] or [1, {time}], got {tuple(position_ids.shape)}"
-                )
+            check_position_ids(position_ids, batch, time)
             positions = position_ids.expand(batch, time)
         else:
             start = cache.positions[:, None] if cache is not None else torch.zeros(batch, 1, dtype=torch.long,
@@ -338,6 +335,7 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         makes the cross-entropy a sum over this batch's targets divided by that count, as transformers' models do."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         kwargs = forward_kwargs(type(self).__name__, kwargs)
+        check_logits_to_keep(logits_to_keep)
         out = self.model(input_ids, attention_mask, position_ids, cache, use_cache, inputs_embeds,
                          cache_policy=cache_policy, **kwargs)
         hidden = out.last_hidden_state
@@ -346,8 +344,10 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         logits = self.logits_of(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device),
-                                   ignore_index=-100, reduction="mean" if num_items_in_batch is None else "sum")
+            check_labels(labels, logits.shape)
+            targets = labels[:, 1:].flatten().to(logits.device, torch.long)
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets, ignore_index=-100,
+                                   reduction="mean" if num_items_in_batch is None else "sum")
             if num_items_in_batch is not None:
                 loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device)
             if out.aux_loss is not None:

@@ -1,6 +1,6 @@
 """Bad model inputs are an error naming the argument, raised before any mixer runs (never a crash deep inside
 one): empty batch or time, token ids of a type that wraps, embeddings of another dtype, tensors or a cache on
-another device."""
+another device, labels that do not fit the logits, float position ids, a negative ``logits_to_keep``."""
 
 import pytest
 import torch
@@ -55,3 +55,34 @@ def test_inputs_on_another_device(model, argument):
 def test_cache_on_another_device(model):
     with pytest.raises(ValueError, match=r"cache is on meta but the model on cpu: move it with cache.to\('cpu'\)"):
         model(torch.tensor([[1, 2]]), cache=model.new_cache(1, device="meta"))
+
+
+@pytest.mark.parametrize("labels, error, message", [
+    (torch.tensor([[1, 2]]), ValueError, r"labels must be \[batch, time\] = \(1, 3\) like the logits, got \(1, 2\)"),
+    (torch.tensor([[1.0, 2.0, 3.0]]), TypeError, r"labels must hold integer token ids .* got torch.float32"),
+    (torch.tensor([[1, 2, 9999]]), ValueError, r"labels must lie in \[0, vocab_size=\d+\) or be -100"),
+    (torch.tensor([[1, -1, 2]]), ValueError, r"labels must lie in .* got values in \[-1, 2\]"),
+], ids=["shape", "float", "too large", "negative"])
+def test_bad_labels(model, labels, error, message):
+    with pytest.raises(error, match=message):
+        model(torch.tensor([[1, 2, 3]]), labels=labels)
+
+
+def test_int32_labels_and_ignored_targets_give_the_long_loss(model):
+    ids, labels = torch.tensor([[1, 2, 3, 4]]), torch.tensor([[-100, 2, -100, 4]])
+    with torch.no_grad():
+        expected = model(ids, labels=labels).loss
+        assert expected > 0 and torch.equal(model(ids, labels=labels.int()).loss, expected)
+
+
+def test_position_ids_of_a_float_type(model):
+    """Float positions used to be accepted (rotary tables take them; a Linformer indexing by them would not)."""
+    with pytest.raises(TypeError, match=r"position_ids must be torch.long \(or torch.int32\), got torch.float32"):
+        model(torch.tensor([[1, 2, 3]]), position_ids=torch.tensor([[0.0, 1.0, 2.0]]))
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_logits_to_keep_must_be_a_count(model, value):
+    """-1 used to keep the logits of every position but the first (``hidden[:, 1:]``), silently."""
+    with pytest.raises(ValueError, match="logits_to_keep must be an int >= 0"):
+        model(torch.tensor([[1, 2, 3]]), logits_to_keep=value)
