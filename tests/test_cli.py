@@ -90,6 +90,15 @@ def test_info_rejects_a_bad_config_file(capsys, tmp_path):
     assert "layer_pattern" in capsys.readouterr().err
 
 
+def test_info_rejects_json_that_is_not_a_config(capsys, tmp_path):
+    """A JSON list was an AttributeError traceback."""
+    (tmp_path / "config.json").write_text("[1, 2]")
+    for source in (tmp_path, tmp_path / "config.json"):
+        with pytest.raises(SystemExit):
+            main(["info", "--config", str(source)])
+        assert "holds a JSON list, not a config" in capsys.readouterr().err
+
+
 def test_bench_prints_the_comparison(capsys):
     main(["bench", "--contexts", "32", "64", "--steps", "2", "--scan-length", "64"])
     out = capsys.readouterr().out

@@ -139,9 +139,12 @@ def read_config(path: Path) -> dict:
     if not file.is_file():
         raise FileNotFoundError(f"no config.json in {path}: not a Hugging Face-format checkpoint")
     try:
-        return _decode_floats(json.loads(file.read_text()))
+        config = json.loads(file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{file} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a JSON {type(config).__name__}, not a config (a JSON object)")
+    return _decode_floats(config)
 
 
 def safetensors_files(directory: Path) -> list[Path]:
