@@ -31,7 +31,8 @@ OPTIONS = [
     _option("--eval-data", nargs="+", default=None,
             help="held-out text (without it: the standard library's held-out files, or every 50th --data file)"),
     _option("--tokenizer", default=None,
-            help="a tokenizer directory to reuse (without it: train a byte-level BPE on the training text)"),
+            help="a tokenizer directory to reuse (without it: a checkpoint --model's own, else a byte-level BPE "
+                 "trained on the training text)"),
     _option("--vocab-size", type=int, default=4096, help="vocabulary of a newly trained BPE"),
     _option("--seq-len", type=int, default=512, help="tokens per training row"),
     _option("--batch-size", type=int, default=_DEFAULTS.batch_size,
@@ -83,14 +84,20 @@ def _corpus(args):
 
 
 def _tokenizer(args, corpus, out: Path, resume: bool, parallel):
-    """The run's tokenizer: ``--out``'s when resuming, ``--tokenizer``, else a BPE trained on the training text
-    (by the main process; the others receive it, so no rank reads a file another is writing)."""
-    from .tokenizer import bpe_tokenizer_from_json, load_tokenizer, train_bpe_tokenizer
+    """The run's tokenizer: ``--out``'s when resuming, ``--tokenizer``, a checkpoint ``--model``'s own (its
+    embeddings learned those ids), else a BPE trained on the training text (by the main process; the others
+    receive it, so no rank reads a file another is writing)."""
+    from .tokenizer import bpe_tokenizer_from_json, has_tokenizer, load_tokenizer, train_bpe_tokenizer
 
     if resume:
         return load_tokenizer(out)
     if args.tokenizer is not None:
         return load_tokenizer(args.tokenizer)
+    if Path(args.model).is_dir():
+        if not has_tokenizer(args.model):
+            raise ValueError(f"--model {args.model} has no tokenizer: pass --tokenizer DIR with the one it was "
+                             "trained with (a newly trained BPE's ids would not match its embeddings)")
+        return load_tokenizer(args.model)
     trained = train_bpe_tokenizer(corpus.train_texts, args.vocab_size) if parallel.is_main else None
     if parallel.world_size == 1:
         return trained

@@ -65,10 +65,15 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether ``directory`` holds tokenizer files ``AutoTokenizer`` reads."""
+    return Path(directory, "tokenizer.json").is_file() or Path(directory, "tokenizer_config.json").is_file()
+
+
 def tokenizer_for(directory: str | Path, vocab_size: int):
     """The tokenizer saved in ``directory``; else :class:`ByteTokenizer` for a 256-token (byte-level) model;
     else None."""
-    if Path(directory, "tokenizer.json").is_file() or Path(directory, "tokenizer_config.json").is_file():
+    if has_tokenizer(directory):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(directory)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from hybridlm import HybridConfig, HybridForCausalLM
 from hybridlm.training import pretrain
 from hybridlm.training.packing import pack_documents, rows_for_step
 
@@ -104,7 +105,10 @@ def test_bad_input_is_an_error_before_training(corpus, model_file, tmp_path):
     fails("of another model.*hidden_size", "--model", str(other), "--resume", out=done)
     small_vocab = tmp_path / "small_vocab"
     pretrain.main(args_for(corpus, model_file, small_vocab, "--steps", "1", "--vocab-size", "280"))
-    fails("the tokenizer has 300 entries", "--model", str(small_vocab))
+    fails("the tokenizer has 300 entries", "--model", str(small_vocab), "--tokenizer", str(done))
+    without_tokenizer = tmp_path / "without_tokenizer"
+    HybridForCausalLM(HybridConfig(**TINY_MODEL, vocab_size=300)).save_pretrained(without_tokenizer)
+    fails("has no tokenizer", "--model", str(without_tokenizer))
     assert (done / "checkpoint" / "model.safetensors").read_bytes() == before  # nothing overwritten
 
 
@@ -158,3 +162,17 @@ def test_a_new_run_trains_its_own_tokenizer_whatever_out_holds(corpus, model_fil
     train_bpe_tokenizer(["def f(x):\n    return x\n"] * 4, vocab_size=270).save_pretrained(tmp_path)
     pretrain.main(args_for(corpus, model_file, tmp_path, "--steps", "1"))
     assert len(AutoTokenizer.from_pretrained(tmp_path)) == 300
+
+
+def test_continued_pretraining_keeps_the_checkpoints_tokenizer(corpus, model_file, tmp_path):
+    """--model a trained run: its own tokenizer comes with it (a newly trained BPE's ids would not be the ones its
+    embeddings learned), whatever --vocab-size says, and training continues from its weights."""
+    from transformers import AutoTokenizer
+
+    first = tmp_path / "first"
+    pretrain.main(args_for(corpus, model_file, first, "--steps", "3", "--vocab-size", "280"))
+    before = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    last = pretrain.main(args_for(corpus, first, tmp_path / "second", "--steps", "1"))
+    assert AutoTokenizer.from_pretrained(tmp_path / "second").get_vocab() == \
+        AutoTokenizer.from_pretrained(first).get_vocab()
+    assert last["loss"] < before[0]["loss"] - 0.3  # it starts where the first run ended, not from scratch
