@@ -179,7 +179,7 @@ def run(args) -> dict:
     import torch
 
     from .loop import evaluate, train
-    from .pretrain import build_model
+    from .pretrain import build_model, check_seq_len
     from .tokenizer import load_tokenizer
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
@@ -201,9 +201,7 @@ def run(args) -> dict:
     fmt = args.format or _source_format(args.model)
     if not args.lora or args.merge:
         check_exportable(model, fmt)
-    limit = model.config.max_length_limit
-    if limit is not None and args.seq_len > limit:
-        raise ValueError(f"--seq-len {args.seq_len} is beyond the model's limit of {limit} positions")
+    check_seq_len(args.seq_len, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = pack_examples([encode_example(tokenizer, e) for e in train_examples], args.seq_len, pad)
     eval_rows = pack_examples([encode_example(tokenizer, e) for e in eval_examples], args.seq_len, pad)

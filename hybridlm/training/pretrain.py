@@ -135,6 +135,15 @@ def build_model(spec: str, vocab_size: int, seed: int):
     return HybridForCausalLM(config)
 
 
+def check_seq_len(seq_len: int, model) -> None:
+    """``--seq-len`` leaves a token to predict and fits the model's positions."""
+    if seq_len < 2:
+        raise ValueError(f"--seq-len must be at least 2 (a token and the next one to predict), got {seq_len}")
+    limit = model.config.max_length_limit
+    if limit is not None and seq_len > limit:
+        raise ValueError(f"--seq-len {seq_len} is beyond the model's limit of {limit} positions")
+
+
 def run(args) -> dict:
     """Validate, prepare the data, train, save the model with its tokenizer; returns the last metrics."""
     import torch
@@ -156,9 +165,7 @@ def run(args) -> dict:
     corpus = _corpus(args)
     tokenizer = _tokenizer(args, corpus, out, args.resume, parallel)
     model = build_model(args.model, len(tokenizer), args.seed)
-    limit = model.config.max_length_limit
-    if limit is not None and args.seq_len > limit:
-        raise ValueError(f"--seq-len {args.seq_len} is beyond the model's limit of {limit} positions")
+    check_seq_len(args.seq_len, model)
     parallel.check_batch(config.batch_size // config.grad_accum)
     if args.resume:
         from .checkpoint import check_resumable

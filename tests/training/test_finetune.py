@@ -265,4 +265,6 @@ def test_bad_fine_tuning_options_fail_before_training(tokenizer, tmp_path):
         main(start + _common(tmp_path, data, format="gguf"))
     with pytest.raises(FileNotFoundError, match="no such file"):
         main(start + _common(tmp_path, tmp_path / "missing.jsonl"))
+    with pytest.raises(ValueError, match="--seq-len must be at least 2"):
+        main(start + _common(tmp_path, data, seq_len=1))
     assert not (tmp_path / "out").exists()  # nothing written

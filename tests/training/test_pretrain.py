@@ -92,6 +92,7 @@ def test_bad_input_is_an_error_before_training(corpus, model_file, tmp_path):
     limited = tmp_path / "limited.json"
     limited.write_text(json.dumps({**TINY_MODEL, "max_position_embeddings": 16}))
     fails("beyond the model's limit", "--model", str(limited))
+    fails("--seq-len must be at least 2", "--seq-len", "1")
     fails("not divisible by --grad-accum", "--grad-accum", "3")
     fails("not a preset", "--model", "no-such-preset")
     fails("--resume: no checkpoint", "--resume")
