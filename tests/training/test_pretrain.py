@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,13 @@ def test_pretrain_learns_saves_and_loads_with_auto_classes(corpus, model_file, t
     ids = tokenizer("def heappush(heap, item):", return_tensors="pt")["input_ids"]
     assert tokenizer.decode(ids[0]) == "def heappush(heap, item):"  # byte-level: text round-trips exactly
     assert model(ids).logits.shape == (1, ids.shape[1], 300)
+    # bits per byte: nats per token x the held-out text's tokens per byte (end-of-text counted as one) / ln 2; the
+    # final evaluation covers every full held-out row
+    text = (corpus / "textwrap.py").read_text()
+    tokens, text_bytes = len(tokenizer(text)["input_ids"]) + 1, len(text.encode()) + 1
+    final = eval_rows[-1]
+    assert final["bits_per_byte"] == pytest.approx(final["eval_loss"] * tokens / text_bytes / math.log(2), rel=1e-9)
+    assert final["eval_tokens"] == tokens // 32 * 32 > eval_rows[0]["eval_tokens"] == 2 * 32
 
 
 def test_resume_continues_exactly(corpus, model_file, tmp_path, monkeypatch):
