@@ -148,18 +148,20 @@ def fla_gated_delta_rule():
 
 def adapt_fla_delta_rule(chunk_gated_delta_rule):
     """fla's ``chunk_gated_delta_rule(q, k, v, g, beta, scale=, initial_state=, output_final_state=, cu_seqlens=)``
-    (one log gate per head, as many key as value heads) with the reference's signature."""
+    (one log gate per head, as many key as value heads, q, k and v of one half type) with the reference's
+    signature. The mixers pass fp32 L2-normalised q, k: they go to fla in the values' type, as mamba-ssm's adapters
+    pass B and C in the input's."""
 
     def gated_delta_rule(q, k, v, log_gate, beta, *, scale=None, initial_state=None, chunk_size=64,
                          cu_seqlens=None):
         if log_gate is not None and log_gate.dim() == 4:
             raise Declined("channel-wise gates (KDA): fla's KDA kernels take gates in conventions that changed "
                            "between its versions; not adapted")
-        if v.dtype not in _SCAN_TYPES or q.shape[-1] > 256 or v.shape[-1] > 256:
-            raise Declined(f"fla's chunked delta rule needs fp32/fp16/bf16 and head dims <= 256, got {v.dtype}, "
-                           f"dim_k={q.shape[-1]}, dim_v={v.shape[-1]}")
+        if v.dtype not in _HALF_TYPES or q.shape[-1] > 256 or v.shape[-1] > 256:
+            raise Declined(f"fla's chunked delta rule needs fp16 or bf16 values (it asserts against fp32) and head "
+                           f"dims <= 256, got {v.dtype}, dim_k={q.shape[-1]}, dim_v={v.shape[-1]}")
         group = v.shape[2] // q.shape[2]  # key heads shared by value heads: repeated, exactly
-        q, k = (t.repeat_interleave(group, dim=2) for t in (q, k))
+        q, k = (t.repeat_interleave(group, dim=2).to(v.dtype) for t in (q, k))
         gate = log_gate if log_gate is not None else beta.new_zeros(beta.shape)
         o, final = chunk_gated_delta_rule(q, k, v, gate.float(), beta, scale=scale, initial_state=initial_state,
                                           output_final_state=True, cu_seqlens=cu_seqlens)
