@@ -26,11 +26,16 @@ class CacheConstruction:
         fixes the capacity at ``max_length`` so that a decode step has fixed shapes (:mod:`hybridlm.kv.static`)."""
         device = device if device is not None else self.embed_tokens.weight.device
         dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
-        kinds, states = self._init_states(batch_size, max_length, device, dtype)
+        # under a policy, states are first made without preallocation: a layout the policy swaps in must not cost
+        # a transient full-length buffer; the states it leaves as they were are then made with ``max_length``
+        kinds, states = self._init_states(batch_size, max_length if policy is None else None, device, dtype)
         if policy is not None:
             from .kv.policy import apply_policy
 
-            states = apply_policy(states, policy)
+            lean, states = states, apply_policy(states, policy, capacity=max_length)
+            if max_length:
+                states = [self._init_state(index, batch_size, max_length, device, dtype) if state is lean[index]
+                          else state for index, state in enumerate(states)]
         if static:
             from .kv.static import make_static
 
@@ -48,6 +53,13 @@ class CacheConstruction:
             kinds += ["shared_attention"] * len(self.shared.layers)
             states += self.shared.init_states(batch_size, max_length, device, dtype)
         return kinds, states
+
+    def _init_state(self, index: int, batch_size, max_length, device, dtype) -> LayerState:
+        """The empty state of entry ``index`` (as :meth:`_init_states` orders them)."""
+        if index < len(self.layers):
+            return self.layers[index].init_state(batch_size, max_length, device, dtype)
+        return self.shared.block_of(index - len(self.layers)).attention.init_state(batch_size, max_length, device,
+                                                                                     dtype)
 
     def _signature(self, dtype: torch.dtype) -> tuple:
         """What identifies the states this model reads: per state, its kind, its fixed shapes and the settings

@@ -86,12 +86,14 @@ class CachePolicy:
     def is_default(self) -> bool:
         return self.kv_bits == 16 and self.window is None and self.page_size is None
 
-    def layout(self, template: KVState) -> KVLayout:
-        """The empty state this policy gives an attention layer whose default state is ``template``."""
+    def layout(self, template: KVState, capacity: int | None = None) -> KVLayout:
+        """The empty state this policy gives an attention layer whose default state is ``template``; a paged
+        pool starts with room for ``capacity`` tokens per row (default: the template's preallocated slots)."""
         batch, heads, _, dim = template.keys.shape
         where = dict(device=template.keys.device, dtype=template.keys.dtype)
         if self.page_size is not None:
-            return PagedKV.empty(batch, heads, dim, page_size=self.page_size, capacity=template.keys.shape[2], **where)
+            capacity = template.keys.shape[2] if capacity is None else capacity
+            return PagedKV.empty(batch, heads, dim, page_size=self.page_size, capacity=capacity, **where)
         if self.heavy_hitters:
             return HeavyHitterKV.empty(batch, heads, dim, heavy=self.heavy_hitters, window=self.window, **where)
         if self.window is not None and self.kv_bits == 16:
@@ -110,9 +112,11 @@ class CachePolicy:
         return QuantizedKV.empty(batch, heads, dim, **quantized)
 
 
-def apply_policy(states: list[LayerState], policy: CachePolicy | Mapping[int, CachePolicy]) -> list[LayerState]:
+def apply_policy(states: list[LayerState], policy: CachePolicy | Mapping[int, CachePolicy],
+                 capacity: int | None = None) -> list[LayerState]:
     """``states`` (one per cache entry, as ``new_cache`` makes them) with each default attention state replaced
-    by the policy's layout. ``policy`` is one policy for every layer or ``{state index: policy}``."""
+    by the policy's layout; a state the policy leaves as it was is returned itself. ``policy`` is one policy for
+    every layer or ``{state index: policy}``; ``capacity``: see :meth:`CachePolicy.layout`."""
     if not isinstance(policy, (CachePolicy, Mapping)):
         raise TypeError(f"cache_policy must be a hybridlm CachePolicy or {{layer: CachePolicy}}, got "
                         f"{type(policy).__name__}")
@@ -121,18 +125,19 @@ def apply_policy(states: list[LayerState], policy: CachePolicy | Mapping[int, Ca
         if not isinstance(index, int) or not 0 <= index < len(states) or not isinstance(layer_policy, CachePolicy):
             raise ValueError(f"cache_policy: {{layer: CachePolicy}} needs layers in [0, {len(states)}), got "
                              f"{index!r}: {type(layer_policy).__name__}")
-    replaced = [_apply(state, per_layer.get(i)) for i, state in enumerate(states)]
+    replaced = [_apply(state, per_layer.get(i), capacity) for i, state in enumerate(states)]
     if not any(_has_attention(state) for state in states) and not all(p.is_default for p in per_layer.values()):
         _say_once("cache_policy: this model has no attention layers; the policy changes nothing")
     return replaced
 
 
-def _apply(state: LayerState, policy: CachePolicy | None) -> LayerState:
+def _apply(state: LayerState, policy: CachePolicy | None, capacity: int | None) -> LayerState:
     if policy is None:
         return state
     if isinstance(state, StateGroup):
-        return StateGroup({name: _apply(part, policy) for name, part in state.parts.items()})
-    return policy.layout(state) if isinstance(state, KVState) else state
+        parts = {name: _apply(part, policy, capacity) for name, part in state.parts.items()}
+        return state if all(parts[name] is part for name, part in state.parts.items()) else StateGroup(parts)
+    return policy.layout(state, capacity) if isinstance(state, KVState) else state
 
 
 def _has_attention(state: LayerState) -> bool:
