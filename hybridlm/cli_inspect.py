@@ -200,7 +200,7 @@ def run_memory(args) -> None:
 
     config_file = existing_config(args.model, "--model")  # a mistyped path fails before torch loads
     from .bench import table
-    from .kv.memory import memory_rows, read_any_config
+    from .kv.memory import by_kind_text, memory_rows, read_any_config
 
     rows = memory_rows(read_any_config(config_file), args.context, args.batch, args.kv_bits, name=args.model)
     if args.json:
@@ -208,6 +208,8 @@ def run_memory(args) -> None:
         return
     for row in rows:
         row["request_gib"], row["weights_gib"] = row["bytes_per_request"] / 2**30, row["weight_bytes"] / 2**30
+        row["kinds"] = by_kind_text(row)
     print(table(rows, [("context", "context", ",d"), ("kv_bits", "KV bits", "d"), ("batch", "batch", "d"),
                        ("bytes_per_token", "KV B/token", ",.0f"), ("fixed_bytes", "fixed B", ",d"),
-                       ("request_gib", "cache GiB/request", ",.3f"), ("weights_gib", "weights GiB (16-bit)", ",.2f")]))
+                       ("request_gib", "cache GiB/request", ",.3f"), ("weights_gib", "weights GiB (16-bit)", ",.2f"),
+                       ("kinds", "cache by layer kind", "")]))

@@ -193,3 +193,14 @@ def test_bench_context_command_prints_the_table_and_draws_the_plot(tmp_path, cap
         assert any(stack in line and policy in line for line in printed.splitlines()), (stack, policy)
     assert "peak RSS MiB" in printed and f"wrote {plot}" in printed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_memory_table_shows_each_layer_kind(tmp_path, capsys):
+    import json
+
+    from hybridlm.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps(JAMBA_V01))
+    main(["memory", "--model", str(tmp_path), "--context", "262144", "--kv-bits", "16"])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("262,144")]
+    assert line.endswith("mamba 15.3 MiB; attention 4.00 GiB (16,384 B/token)")  # 28 Mamba states; 4 KV layers

@@ -109,5 +109,20 @@ def memory_rows(config: HybridConfig, contexts: list[int], batch: int = 1, kv_bi
     return rows
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+def by_kind_text(row: dict) -> str:
+    """A row's bytes per layer kind at its context, with the growth per token of the kinds that grow, e.g.
+    ``mamba 15.3 MiB; attention 4.00 GiB (16,384 B/token)``."""
+    parts = []
+    for kind, held in row["by_kind"].items():
+        growth = row["bytes_per_token_by_kind"].get(kind)
+        parts.append(f"{kind} {_size(held)}" + (f" ({growth:,.0f} B/token)" if growth else ""))
+    return "; ".join(parts)
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in the largest binary unit it reaches, three significant digits."""
+    for unit, power in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 2**power:
+            value = n / 2**power
+            return f"{value:,.{2 if value < 10 else 1 if value < 100 else 0}f} {unit}"
+    return f"{n:,} B"
