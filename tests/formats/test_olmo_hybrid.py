@@ -33,6 +33,30 @@ def test_without_rope_and_with_beta_below_one(tmp_path):
     check_logits_and_greedy(hf, ours, VOCAB, 13)
 
 
+def test_convs_split_at_the_query_key_value_widths(olmo_hybrid, tmp_path):
+    """transformers saves the joined conv in three equal parts (27 / 27 / 26 rows here); the released checkpoints
+    split it at the q / k / v widths (16 / 16 / 48). hybridlm reads both alike."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import hybridlm
+
+    from .compare import check_logits, random_ids
+
+    hf, _, directory = olmo_hybrid
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)
+    state = load_file(directory / "model.safetensors")
+    for i in (0, 1, 2):
+        parts = [f"model.layers.{i}.linear_attn.{name}_conv1d.weight" for name in ("q", "k", "v")]
+        assert [state[name].shape[0] for name in parts] == [27, 27, 26]
+        joined = torch.cat([state.pop(name) for name in parts])
+        state.update(zip(parts, joined.split([16, 16, 48])))
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    check_logits(hf, hybridlm.HybridForCausalLM.from_pretrained(tmp_path).eval(), random_ids(VOCAB, 2, 13))
+
+
 def test_bad_olmo_options_name_the_field():
     import hybridlm
 
