@@ -84,7 +84,10 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
     seq_len = rows.ids.shape[1]
     progress = tqdm(range(state["step"], config.steps), initial=state["step"], total=config.steps,
                     desc="training", disable=not parallel.is_main, dynamic_ncols=True)
-    window_loss, window_targets, window_start, last = 0.0, 0, time.perf_counter(), {}
+    # the window since the last metrics row: summed loss and targets, steps, and training seconds (evaluation
+    # and checkpoint time left out)
+    window_loss, window_targets, window_steps, window_seconds, last = 0.0, 0, 0, 0.0, {}
+    mark = time.perf_counter()
     for step in progress:
         indices = rows_for_step(step, config.batch_size, len(rows), config.seed)
         global_targets = int((rows.batch(indices, config.layout)["labels"][:, 1:] != -100).sum())
@@ -107,18 +110,19 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
         scheduler.step()
         step_loss = parallel.sum(step_loss)
         state["step"], state["tokens"] = step + 1, state["tokens"] + config.batch_size * seq_len
+        now = time.perf_counter()
         window_loss, window_targets = window_loss + step_loss, window_targets + global_targets
+        window_steps, window_seconds, mark = window_steps + 1, window_seconds + now - mark, now
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-            now = time.perf_counter()
-            state["elapsed_s"] += now - window_start
-            tokens_per_s = config.log_every * config.batch_size * seq_len / max(now - window_start, 1e-9)
+            state["elapsed_s"] += window_seconds
+            tokens_per_s = window_steps * config.batch_size * seq_len / max(window_seconds, 1e-9)
             last = {"step": step + 1, "loss": window_loss / window_targets, "lr": scheduler.get_last_lr()[0],
                     "tokens": state["tokens"], "tokens_per_s": tokens_per_s, "grad_norm": grad_norm,
                     "elapsed_s": state["elapsed_s"]}
             progress.set_postfix(loss=f"{last['loss']:.3f}", lr=f"{last['lr']:.2e}", tok_s=f"{tokens_per_s:.0f}")
             if log:
                 log.write(last)
-            window_loss, window_targets, window_start = 0.0, 0, now
+            window_loss, window_targets, window_steps, window_seconds = 0.0, 0, 0, 0.0
         final = step + 1 == config.steps
         if eval_rows is not None and ((step + 1) % config.eval_every == 0 or final):
             used = len(eval_rows) if final else min(config.eval_rows, len(eval_rows))
@@ -131,10 +135,10 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
             if log:
                 log.write(row)
                 plot_loss(log.rows(), out / "loss.png")
-            window_start = time.perf_counter()  # evaluation time is not training time
+            mark = time.perf_counter()  # evaluation time is not training time
         if (step + 1) % config.save_every == 0 or final:
-            parallel.save(out, model, optimizer, scheduler, dict(state))
-            window_start = time.perf_counter()
+            parallel.save(out, model, optimizer, scheduler, {**state, "elapsed_s": state["elapsed_s"] + window_seconds})
+            mark = time.perf_counter()
     if log:
         plot_loss(log.rows(), out / "loss.png")
     return last

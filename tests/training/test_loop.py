@@ -111,3 +111,35 @@ def test_gradients_are_clipped_to_the_configured_norm(monkeypatch, tmp_path):
         assert norm_before > 0.5  # well above the limit: clipping has work to do
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads.values()]))
         assert float(norm) == pytest.approx(0.05, rel=1e-4)
+
+
+def test_tokens_per_second_and_elapsed_time_count_training_steps_only(monkeypatch, tmp_path):
+    """On a clock where each training step takes 1 s and each checkpoint 100 s: every metrics row shows the tokens
+    of one step per second, and elapsed time counts the steps alone, wherever the checkpoints and the logged rows
+    fall (checkpoints every 3 steps, rows every 4, 10 steps: a resumed-like partial window at the end)."""
+    from types import SimpleNamespace
+
+    from hybridlm.training import loop
+    from hybridlm.training.distributed import SingleProcess
+
+    now = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    original_step, original_save = torch.optim.AdamW.step, SingleProcess.save
+
+    def step_taking_a_second(self, *args, **kwargs):
+        now[0] += 1.0
+        return original_step(self, *args, **kwargs)
+
+    def save_taking_100_seconds(self, *args, **kwargs):
+        now[0] += 100.0
+        return original_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step_taking_a_second)
+    monkeypatch.setattr(SingleProcess, "save", save_taking_100_seconds)
+    rows = tiny_rows()
+    config = TrainConfig(steps=10, batch_size=2, warmup=0, log_every=4, eval_every=100, save_every=3)
+    train(tiny_model(layer_pattern="SA").train(), rows, config, tmp_path)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in logged] == [4, 8, 10]
+    assert [row["elapsed_s"] for row in logged] == [4.0, 8.0, 10.0]
+    assert all(row["tokens_per_s"] == 2 * rows.ids.shape[1] for row in logged)
