@@ -47,6 +47,9 @@ def load_tokenizer(path: str | Path):
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"--tokenizer {path}: no such directory")
+    if not has_tokenizer(path):
+        raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json or tokenizer_config.json); "
+                                "pass --tokenizer DIR")
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"--tokenizer {path}: the tokenizer has no eos_token to separate documents")

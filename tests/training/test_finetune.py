@@ -267,4 +267,8 @@ def test_bad_fine_tuning_options_fail_before_training(tokenizer, tmp_path):
         main(start + _common(tmp_path, tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="--seq-len must be at least 2"):
         main(start + _common(tmp_path, data, seq_len=1))
+    untokenized = tmp_path / "untokenized"
+    tiny_model(layer_pattern="SA").save_pretrained(untokenized)
+    with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
+        main(["--model", str(untokenized)] + _common(tmp_path, data))
     assert not (tmp_path / "out").exists()  # nothing written
