@@ -302,8 +302,9 @@ class QuantizedKV(KVLayout):
         return sum(_tensor_nbytes(t) for t in held)
 
     def reserved_nbytes(self) -> int:
-        spill = [t for t in (self.spilled_keys, self.spilled_values) if t is not None]
-        return self.nbytes() + sum(_tensor_nbytes(t) for t in spill)
+        """The storage the buffers occupy (room grown into, the tail's room, kept copies), once per storage."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._tensors().values()}
+        return sum(storages.values())
 
     croppable = True
 

@@ -84,9 +84,6 @@ class QuantizedSinkWindowKV(QuantizedKV):
         sinks = [self.sink_keys[:, :, : self.held_sinks], self.sink_values[:, :, : self.held_sinks]]
         return super().nbytes() + sum(_tensor_nbytes(t) for t in sinks) - self._codes_nbytes(self._pending())
 
-    def reserved_nbytes(self) -> int:
-        return super().reserved_nbytes() + self._codes_nbytes(self._pending())
-
     def _pending(self) -> int:
         """Quantized tokens no later query sees, held until a rollback can no longer need them."""
         return self._evicted_after(self.seen, self._left()) - self.evicted
