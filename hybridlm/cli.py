@@ -17,7 +17,18 @@ import argparse
 import sys
 
 from . import cli_inspect  # noqa: F401  (registers demo, info, build-kernels, bench, memory: listed first)
-from .cli_common import COMMANDS, KV_BITS, command, non_negative_int, option, positive_int, print_stream, token_ids
+from .cli_common import (
+    COMMANDS,
+    KV_BITS,
+    command,
+    non_negative_float,
+    non_negative_int,
+    option,
+    positive_int,
+    print_stream,
+    probability,
+    token_ids,
+)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -69,9 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     option("--ids", type=token_ids,
            help="comma-separated token ids, instead of --prompt; default: give --prompt instead"),
     option("--max-new-tokens", type=non_negative_int, default=64, help="tokens to generate at most"),
-    option("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy"),
+    option("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0 = greedy"),
     option("--top-k", type=positive_int, help="sample from the k most likely tokens only; default: no top-k filtering"),
-    option("--top-p", type=float, help="nucleus sampling threshold in (0, 1]; default: no top-p filtering"),
+    option("--top-p", type=probability, help="nucleus sampling threshold in (0, 1]; default: no top-p filtering"),
     option("--seed", type=int, help="random seed for sampling; default: not seeded"),
     option("--prefill-chunk", type=positive_int, default=512, help="prompt tokens fed per forward during prefill"),
     option("--kv-bits", type=int, choices=KV_BITS, default=16,

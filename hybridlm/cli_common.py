@@ -58,6 +58,27 @@ positive_int = _integer_at_least(1)
 non_negative_int = _integer_at_least(0)
 
 
+def _number_in(low: float, high: float, low_open: bool):
+    """An argparse ``type``: a float in ``(low, high]`` (``low_open``) or ``[low, high]``."""
+    bounds = f"{'(' if low_open else '['}{low}, {high}]"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (low < value <= high if low_open else low <= value <= high):  # NaN fails both
+            raise argparse.ArgumentTypeError(f"must be in {bounds}, got {text}")
+        return value
+
+    parse.__name__ = f"number in {bounds}"
+    return parse
+
+
+probability = _number_in(0.0, 1.0, low_open=True)
+non_negative_float = _number_in(0.0, float("inf"), low_open=False)
+
+
 def token_ids(text: str) -> list[int]:
     """An argparse ``type``: comma-separated token ids (``3,1,4``)."""
     try:

@@ -270,6 +270,9 @@ def test_help_and_usage_errors_import_neither_torch_nor_transformers(argv):
     (["generate", "--ids", "3,-1"], "argument --ids: token ids must be >= 0, got -1"),
     (["generate", "--ids", "3", "--kv-bits", "3"], "argument --kv-bits: invalid choice: 3"),
     (["generate", "--ids", "3", "--window", "0"], "argument --window: must be >= 1, got 0"),
+    (["generate", "--ids", "3", "--top-p", "2"], "argument --top-p: must be in (0.0, 1.0], got 2"),
+    (["generate", "--ids", "3", "--top-p", "nan"], "argument --top-p: must be in (0.0, 1.0], got nan"),
+    (["generate", "--ids", "3", "--temperature", "-1"], "argument --temperature: must be in [0.0, inf], got -1"),
 ], ids=lambda value: " ".join(value) if isinstance(value, list) else "")
 def test_out_of_range_numbers_are_usage_errors_naming_the_option(argv, message, capsys):
     """Refused by the parser (before anything is loaded), naming the option."""
