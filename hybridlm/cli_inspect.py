@@ -200,9 +200,11 @@ def run_memory(args) -> None:
 
     config_file = existing_config(args.model, "--model")  # a mistyped path fails before torch loads
     from .bench import table
+    from .formats.base import read_config
     from .kv.memory import by_kind_text, memory_rows, read_any_config
 
-    rows = memory_rows(read_any_config(config_file), args.context, args.batch, args.kv_bits, name=args.model)
+    config = read_any_config(read_config(config_file))  # read_config: a JSON object, infinities decoded
+    rows = memory_rows(config, args.context, args.batch, args.kv_bits, name=args.model)
     if args.json:
         print(json.dumps(rows, indent=1))
         return

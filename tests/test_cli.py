@@ -90,12 +90,13 @@ def test_info_rejects_a_bad_config_file(capsys, tmp_path):
     assert "layer_pattern" in capsys.readouterr().err
 
 
-def test_info_rejects_json_that_is_not_a_config(capsys, tmp_path):
+def test_info_and_memory_reject_json_that_is_not_a_config(capsys, tmp_path):
     """A JSON list was an AttributeError traceback."""
     (tmp_path / "config.json").write_text("[1, 2]")
-    for source in (tmp_path, tmp_path / "config.json"):
+    for argv in (["info", "--config", str(tmp_path)], ["info", "--config", str(tmp_path / "config.json")],
+                 ["memory", "--model", str(tmp_path)]):
         with pytest.raises(SystemExit):
-            main(["info", "--config", str(source)])
+            main(argv)
         assert "holds a JSON list, not a config" in capsys.readouterr().err
 
 
