@@ -6,8 +6,9 @@ transformers with a fixed seed and loaded by hybridlm from the directory transfo
 * prefill: one cached forward over ``--prefill`` tokens (2048), logits of the last token only;
 * decode: ms per token of single-token steps after a ``--context``-token (4096) prompt,
 
-and prints medians and the ratio transformers / hybridlm (> 1: hybridlm is faster). The two libraries take turns
-(prefill by prefill, decode step by decode step), so that a change in machine load affects both alike.
+after ``--warmup`` untimed runs of each, and prints min / median and the ratios of medians and of minima,
+transformers / hybridlm (> 1: hybridlm is faster). The two libraries take turns (prefill by prefill, decode step by
+decode step), so that a change in machine load affects both alike.
 
     python benchmarks/hf_speed.py [--models jamba mamba2 bamba qwen3_next] [--prefill 2048] [--context 4096]
                                   [--threads 1]
@@ -19,7 +20,6 @@ cores, both libraries' many small ops wait on each other's threads.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 
@@ -27,6 +27,7 @@ import torch
 import transformers
 
 import hybridlm
+from hybridlm.bench import Timing
 
 VOCAB = 1024
 
@@ -93,7 +94,7 @@ class Decoder:
         self.cache, self.token, self.position = out.cache, out.logits[:, -1:].argmax(-1), self.position + 1
 
 
-def compare(name: str, prefill: int, context: int, repeats: int, steps: int) -> dict:
+def compare(name: str, prefill: int, context: int, repeats: int, steps: int, warmup: int) -> dict:
     torch.manual_seed(0)
     theirs = MODELS[name]().eval()
     with tempfile.TemporaryDirectory() as directory:
@@ -104,26 +105,26 @@ def compare(name: str, prefill: int, context: int, repeats: int, steps: int) -> 
     with torch.inference_mode():
         diff = (theirs(ids[:, :256]).logits - ours(ids[:, :256]).logits).abs().max().item()
         pre = {"hybridlm": [], "transformers": []}
-        for _ in range(repeats):
+        for _ in range(warmup + repeats):
             for label, model in (("hybridlm", ours), ("transformers", theirs)):
                 pre[label].append(prefill_seconds(model, ids[:, :prefill]))
         decoders = {label: Decoder(model, ids[:, :context]) for label, model in (("hybridlm", ours),
                                                                                  ("transformers", theirs))}
-        for _ in range(steps):
+        for _ in range(warmup + steps):
             for decoder in decoders.values():
                 decoder.step()
-        dec = {label: 1000 * statistics.median(decoder.times) for label, decoder in decoders.items()}
     return {"model": name, "params_M": params, "max_logit_diff": diff,
-            "prefill_s": {k: statistics.median(v) for k, v in pre.items()}, "decode_ms": dec}
+            "prefill": {label: Timing.of(times[warmup:]) for label, times in pre.items()},
+            "decode": {label: Timing.of(decoder.times[warmup:]) for label, decoder in decoders.items()}}
 
 
 def report(row: dict, prefill: int, context: int) -> None:
-    p, d = row["prefill_s"], row["decode_ms"]
-    print(f"{row['model']:>7} ({row['params_M']:.1f}M params, max |logits diff| {row['max_logit_diff']:.1e})")
-    print(f"        prefill {prefill:>5} tokens: hybridlm {p['hybridlm']:7.3f} s   transformers "
-          f"{p['transformers']:7.3f} s   speed-up x{p['transformers'] / p['hybridlm']:.2f}")
-    print(f"        decode at {context:>5}:      hybridlm {d['hybridlm']:7.2f} ms  transformers "
-          f"{d['transformers']:7.2f} ms  speed-up x{d['transformers'] / d['hybridlm']:.2f}")
+    print(f"{row['model']:>7} ({row['params_M']:.1f}M params, max |logits diff| {row['max_logit_diff']:.1e}); "
+          "ms min / median")
+    for what, timings in ((f"prefill {prefill:>5} tokens", row["prefill"]), (f"decode at {context:>5}", row["decode"])):
+        ours, theirs = timings["hybridlm"], timings["transformers"]
+        print(f"        {what:<20} hybridlm {ours:8.2f}   transformers {theirs:8.2f}   speed-up "
+              f"x{theirs.median_ms / ours.median_ms:.2f} (medians), x{theirs.min_ms / ours.min_ms:.2f} (minima)")
 
 
 def main() -> None:
@@ -131,15 +132,17 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3, help="prefill repetitions (median)")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed prefill repetitions")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed prefills and decode steps before timing")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
     for name in args.models:
-        report(compare(name, args.prefill, args.context, args.repeats, args.steps), args.prefill, args.context)
+        report(compare(name, args.prefill, args.context, args.repeats, args.steps, args.warmup), args.prefill,
+               args.context)
 
 
 if __name__ == "__main__":
