@@ -28,7 +28,9 @@ class Attention(Mixer):
     config_fields = HEAD_LAYOUT_FIELDS + ("num_key_value_heads", "rope_theta", "partial_rotary_factor",
                                           "sliding_window", "attention_scale", "attention_qk_norm",
                                           "attention_output_gate", "attention_qk_norm_whole")
-    state_fields = ("sliding_window", "rope_theta", "partial_rotary_factor")  # keys are kept rotated
+    # keys are kept normalised and rotated
+    state_fields = ("sliding_window", "rope_theta", "partial_rotary_factor", "attention_qk_norm",
+                    "attention_qk_norm_whole")
     causal = True
     grows_with_context = True
 

@@ -176,9 +176,10 @@ def test_parallel_layers_combine_their_parts():
             HybridConfig(layer_types=[entry])
 
 
-@pytest.mark.parametrize("change", [dict(sliding_window=3), dict(rope_theta=500.0), dict(partial_rotary_factor=0.5)])
+@pytest.mark.parametrize("change", [dict(sliding_window=3), dict(rope_theta=500.0), dict(partial_rotary_factor=0.5),
+                                    dict(attention_qk_norm=True)])
 def test_a_cache_is_refused_by_a_model_whose_state_means_something_else(change):
-    """Same shapes, but keys kept under another window or another rotation: the signature (the kind's
+    """Same shapes, but keys kept under another window, rotation or norm: the signature (the kind's
     ``state_fields``) tells them apart."""
     other, model = tiny_model(layer_types=["attention", "mamba"], **change), tiny_model(layer_types=["attention",
                                                                                                         "mamba"])
