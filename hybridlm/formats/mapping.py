@@ -94,7 +94,11 @@ def head_dim_of(foreign_config: dict) -> int:
 
 
 def our_kinds(foreign_config: dict, kinds: dict[str, str], model_type: str, field: str = "layer_types") -> list[str]:
-    """``foreign_config[field]`` mapped by ``kinds`` (theirs: ours); an unknown kind is an error naming it."""
+    """``foreign_config[field]`` mapped by ``kinds`` (theirs: ours); an unknown kind, or no list of kinds, is an
+    error naming it."""
+    if not isinstance(foreign_config.get(field), list):
+        raise ValueError(f"{model_type} config: {field} must be a list of layer kinds, one per layer "
+                         f"({sorted(kinds)}), got {foreign_config.get(field)!r}")
     unknown = sorted(set(foreign_config[field]) - set(kinds))
     if unknown:
         raise ValueError(f"{model_type} config: {field} {unknown} are not supported (hybridlm reads "

@@ -33,3 +33,14 @@ def test_value_heads_not_a_multiple_of_key_heads_are_named(model_type):
     with pytest.raises(ValueError, match=rf"{model_type} config: linear_num_value_heads=5 is not a multiple of "
                                          r"linear_num_key_heads=2"):
         to_hybrid_config(checkpoint_config(model_type, linear_num_value_heads=5))
+
+
+@pytest.mark.parametrize("layer_types", [None, "missing"])
+def test_lfm2_moe_without_a_layer_plan_is_named(layer_types):
+    """transformers' Lfm2MoeConfig derives no plan when ``layer_types`` is absent (Lfm2Config does): an error
+    naming the field, not a bare TypeError."""
+    config = checkpoint_config("lfm2_moe")
+    if layer_types is None:
+        config["layer_types"] = None
+    with pytest.raises(ValueError, match=r"lfm2_moe config: layer_types must be a list of layer kinds"):
+        to_hybrid_config(config)
