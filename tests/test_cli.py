@@ -158,8 +158,17 @@ def test_generate_gives_byte_level_models_text(capsys, tmp_path):
 
 
 def test_generate_defaults_to_the_bundled_hybrid(capsys):
-    main(["generate", "--prompt", "import os\nimport sys\n", "--max-new-tokens", "12"])
-    assert len(capsys.readouterr().out.strip()) > 0
+    """Without --model: the bundled hybrid's greedy continuation, as transformers' generate gives it."""
+    from transformers import AutoTokenizer
+
+    from hybridlm import bundled_model_dir, load
+
+    prompt = "import os\nimport sys\n"
+    main(["generate", "--prompt", prompt, "--max-new-tokens", "12"])
+    tokenizer, model = AutoTokenizer.from_pretrained(bundled_model_dir()), load(bundled_model_dir()).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    expected = tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:])
+    assert expected.strip() and capsys.readouterr().out.rstrip("\n") == expected.rstrip("\n")
 
 
 def test_convert_round_trip(tmp_path):
