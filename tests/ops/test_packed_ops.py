@@ -31,9 +31,9 @@ def run_both(op, lengths, tensors, time_dims, state, seed, **options):
     generator = torch.Generator().manual_seed(seed)
     leaves = {name: t.clone().requires_grad_() for name, t in {**tensors, "initial_state": state}.items()
               if t is not None}
-    cu = bounds_of(lengths)
+    cu = bounds_of(lengths).to(tensors[next(iter(tensors))].device)  # (a Triton kernel's test: on its device)
     y, final = op(**leaves, cu_seqlens=cu, **options)
-    probe_y, probe_final = torch.randn(y.shape, generator=generator), torch.randn(final.shape, generator=generator)
+    probe_y, probe_final = (torch.randn(t.shape, generator=generator).to(t.device) for t in (y, final))
     packed_grads = torch.autograd.grad((y * probe_y).sum() + (final * probe_final).sum(), list(leaves.values()))
 
     out_dim = time_dims["out"]

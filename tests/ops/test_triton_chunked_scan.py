@@ -175,9 +175,9 @@ def test_packed_chunk_table_built_on_the_device_equals_the_listed_one(lengths, c
 def test_packed_ssd_while_capturing_reads_cu_seqlens_on_the_device_only(monkeypatch):
     """Under CUDA-graph capture (simulated here: the check is what changes) ``cu_seqlens`` is never copied to the
     host, and the result still equals the reference's, gradients included; a malformed one is still named."""
-    ssd = importlib.import_module("hybridlm.ops.triton.ssd")
-    monkeypatch.setattr(ssd, "_capturing", lambda x: True)
-    monkeypatch.setattr(ssd, "packed_sequences", lambda *a, **k: pytest.fail("cu_seqlens read on the host"))
+    chunks = importlib.import_module("hybridlm.ops.triton.chunks")
+    monkeypatch.setattr(chunks, "_capturing", lambda device: True)
+    monkeypatch.setattr(chunks, "packed_sequences", lambda *a, **k: pytest.fail("cu_seqlens read on the host"))
     torch.manual_seed(8)
     lengths = [6, 0, 9, 3]
     inputs = ssd_inputs(1, sum(lengths), 1, 2, 3, 4, False, "head")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+from typing import NamedTuple
 
 import torch
 import triton
@@ -13,6 +14,7 @@ from triton import knobs
 from triton.errors import TritonError
 
 from ..backends import Declined
+from ..packing import token_sequences
 
 # Kernels are decorated when this package is imported; TRITON_INTERPRET decides then whether they run in
 # Triton's CPU interpreter or are compiled for the GPU.
@@ -249,6 +251,42 @@ def state_dot_dtype(*tensors: torch.Tensor):
 def program_id64(AXIS: tl.constexpr):
     """``tl.program_id(AXIS)`` as int64, so that the offsets computed from it do not wrap past 2**31 elements."""
     return tl.program_id(AXIS).to(tl.int64)
+
+
+class Packing(NamedTuple):
+    """Packed sequences as the kernels read them (see :func:`sequence_span`): ``seq [time]``, each token's sequence
+    number, and ``cu [n_seqs + 1]``, the boundaries (int64, on the inputs' device)."""
+
+    seq: torch.Tensor
+    cu: torch.Tensor
+
+    @property
+    def n_seqs(self) -> int:
+        return self.cu.numel() - 1
+
+
+def packing_of(bounds: list[int] | None, device) -> Packing | None:
+    """:class:`Packing` of the checked boundaries ``bounds`` (:func:`hybridlm.ops.packing.packed_sequences`), or
+    None for an ordinary batch."""
+    if bounds is None:
+        return None
+    return Packing(token_sequences(bounds, device), torch.tensor(bounds, device=device, dtype=torch.int64))
+
+
+@triton.jit
+def sequence_span(SEQ, CU, row, t, mask, time, PACKED: tl.constexpr):
+    """Of each token ``t`` (an int64 vector) of batch row ``row``: its sequence number, first token and end (one
+    past its last token), as int64 vectors. Packed (batch 1): read from ``SEQ`` and ``CU`` (a :class:`Packing`,
+    0 where ``mask`` is false); else the row is the sequence."""
+    if PACKED:
+        seq = tl.load(SEQ + t, mask=mask, other=0).to(tl.int64)
+        start = tl.load(CU + seq, mask=mask, other=0).to(tl.int64)
+        end = tl.load(CU + seq + 1, mask=mask, other=0).to(tl.int64)
+    else:
+        seq = t * 0 + row
+        start = t * 0
+        end = t * 0 + time
+    return seq, start, end
 
 
 @triton.jit

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..packing import packed_sequences
+
 
 @dataclass(frozen=True)
 class Chunks:
@@ -26,6 +28,27 @@ class Chunks:
     @property
     def n_seqs(self) -> int:
         return self.seqs.shape[1]
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def scan_sequences(batch: int, time: int, device: torch.device, seq_idx, cu_seqlens) -> list[int] | torch.Tensor | None:
+    """The ``sequences`` argument of :func:`.chunked_scan.chunked_decay_scan` for ``batch`` rows of ``time`` tokens
+    on ``device``, packed as ``seq_idx`` / ``cu_seqlens`` say (None: not packed), checked as the references check
+    them. A ``cu_seqlens`` tensor is passed on, on ``device``, for the chunk table to be built there. While a CUDA
+    graph is being captured, ``cu_seqlens`` alone is checked only for its shape and dtype (reading its values
+    would copy it to the host, which a capture cannot do): the eager calls before the capture check them."""
+    if cu_seqlens is not None and seq_idx is None and _capturing(device):
+        if batch != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be an integer [n_seqs + 1] tensor for a batch of 1, got "
+                             f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype} for batch {batch}")
+        return cu_seqlens
+    sequences = packed_sequences(batch, time, seq_idx, cu_seqlens)
+    if cu_seqlens is not None and torch.is_tensor(cu_seqlens):
+        return cu_seqlens.to(device)  # checked above; read on the device from here on
+    return sequences
 
 
 def packed_chunks(bounds: torch.Tensor, chunk_size: int, time: int) -> Chunks:

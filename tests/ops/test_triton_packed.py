@@ -1,0 +1,103 @@
+"""The Triton kernels on packed sequences (``cu_seqlens`` / ``seq_idx``) against the references on the same packed
+input and against each sequence run alone: outputs, per-sequence final states and gradients. Lengths include an
+empty sequence, a sequence of one token, a boundary inside a chunk and one exactly on a chunk edge."""
+
+import pytest
+import torch
+
+from hybridlm.ops.causal_conv1d import causal_conv1d_ref
+from hybridlm.ops.linear_attention import causal_linear_attention_ref
+
+from .test_packed_ops import run_both
+from .triton_support import DEVICE, check_against_reference, kernels, randn, uniform
+
+CHUNK = 4
+LENGTHS = [4, 1, 6, 0, 3]  # boundaries 0, 4 (a chunk edge), 5, 11 (inside a chunk), 11, 14
+
+
+def packing(kind: str, lengths: list[int]) -> dict:
+    """The keyword argument describing ``lengths`` packed in one row (``seq_idx`` cannot hold empty sequences)."""
+    lengths = torch.tensor(lengths, device=DEVICE)
+    if kind == "cu_seqlens":
+        return {"cu_seqlens": torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])}
+    kept = lengths[lengths > 0]
+    return {"seq_idx": torch.repeat_interleave(torch.arange(len(kept), device=DEVICE), kept)[None]}
+
+
+def n_seqs(kind: str) -> int:
+    return len(LENGTHS) if kind == "cu_seqlens" else sum(n > 0 for n in LENGTHS)
+
+
+def same_error(kernel, reference, **inputs) -> None:
+    """The kernel refuses bad packed input with the reference's error."""
+    with pytest.raises(ValueError) as expected:
+        reference(**inputs)
+    with pytest.raises(ValueError) as got:
+        kernel(**inputs)
+    assert str(got.value) == str(expected.value)
+
+
+# ---- linear attention ------------------------------------------------------------------------------------------
+
+def linear_attention_inputs(time: int, states: int | None, heads=2, features=3, dim=4) -> dict:
+    return dict(q=uniform(1, heads, time, features, low=0.0, high=1.0),
+                k=uniform(1, heads, time, features, low=0.0, high=1.0), v=randn(1, heads, time, dim),
+                log_decay=-uniform(1, heads, time, low=0.0, high=0.5),
+                initial_state=None if states is None else randn(states, heads, dim, features))
+
+
+@pytest.mark.parametrize("kind", ["cu_seqlens", "seq_idx"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_linear_attention_packed_matches_reference(kind, with_state):
+    torch.manual_seed(0)
+    inputs = linear_attention_inputs(sum(LENGTHS), n_seqs(kind) if with_state else None)
+    check_against_reference(kernels.causal_linear_attention, causal_linear_attention_ref,
+                            {**inputs, **packing(kind, LENGTHS)}, chunk_size=CHUNK)
+
+
+def test_linear_attention_packed_equals_each_sequence_alone():
+    torch.manual_seed(1)
+    inputs = linear_attention_inputs(sum(LENGTHS), len(LENGTHS))
+    state = inputs.pop("initial_state")
+    run_both(kernels.causal_linear_attention, LENGTHS, inputs, dict(q=2, k=2, v=2, log_decay=2, out=2), state, 1,
+             chunk_size=CHUNK)
+
+
+def test_linear_attention_bad_packing_is_the_references_error():
+    inputs = linear_attention_inputs(sum(LENGTHS), 2)
+    for bad in (packing("cu_seqlens", LENGTHS), {"cu_seqlens": torch.tensor([0, 3, 2, 14], device=DEVICE)}):
+        same_error(kernels.causal_linear_attention, causal_linear_attention_ref, **inputs, **bad)
+    two_rows = {k: torch.cat([v, v]) for k, v in linear_attention_inputs(5, None).items() if v is not None}
+    same_error(kernels.causal_linear_attention, causal_linear_attention_ref, **two_rows,
+               cu_seqlens=torch.tensor([0, 5], device=DEVICE))
+
+
+# ---- causal conv1d ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["cu_seqlens", "seq_idx"])
+@pytest.mark.parametrize("width, with_state, activation", [(4, True, "silu"), (3, False, None), (1, True, None)])
+def test_conv_packed_matches_reference(kind, width, with_state, activation):
+    torch.manual_seed(2)
+    channels = 5
+    inputs = dict(x=randn(1, channels, sum(LENGTHS)), weight=randn(channels, width), bias=randn(channels),
+                  initial_state=randn(n_seqs(kind), channels, width - 1) if with_state else None)
+    check_against_reference(kernels.causal_conv1d, causal_conv1d_ref, {**inputs, **packing(kind, LENGTHS)},
+                            activation=activation)
+
+
+def test_conv_packed_across_time_tiles_equals_each_sequence_alone():
+    """Boundaries on both sides of the kernels' 64-token time tiles, one sequence spanning two tiles."""
+    torch.manual_seed(3)
+    lengths, channels, width = [1, 63, 70, 2, 0, 3], 3, 4
+    tensors = dict(x=randn(1, channels, sum(lengths)), weight=randn(channels, width), bias=randn(channels))
+    run_both(kernels.causal_conv1d, lengths, tensors, dict(x=2, out=2), randn(len(lengths), channels, width - 1), 3,
+             activation="silu")
+
+
+def test_conv_bad_packing_is_the_references_error():
+    x, weight = randn(1, 3, sum(LENGTHS)), randn(3, 4)
+    for bad in (dict(initial_state=randn(2, 3, 3), **packing("cu_seqlens", LENGTHS)),
+                dict(seq_idx=torch.tensor([[0, 0, 2]], device=DEVICE)[:, :1].expand(1, sum(LENGTHS)) + 1)):
+        same_error(kernels.causal_conv1d, causal_conv1d_ref, x=x, weight=weight, **bad)
+    same_error(kernels.causal_conv1d, causal_conv1d_ref, x=torch.cat([x, x]), weight=weight,
+               cu_seqlens=torch.tensor([0, sum(LENGTHS)], device=DEVICE))
