@@ -7,6 +7,7 @@ import torch
 
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
+from hybridlm.ops.selective_scan import selective_scan_ref
 
 from .test_packed_ops import run_both
 from .triton_support import DEVICE, check_against_reference, kernels, randn, uniform
@@ -101,3 +102,38 @@ def test_conv_bad_packing_is_the_references_error():
         same_error(kernels.causal_conv1d, causal_conv1d_ref, x=x, weight=weight, **bad)
     same_error(kernels.causal_conv1d, causal_conv1d_ref, x=torch.cat([x, x]), weight=weight,
                cu_seqlens=torch.tensor([0, sum(LENGTHS)], device=DEVICE))
+
+
+# ---- selective scan --------------------------------------------------------------------------------------------
+
+def scan_inputs(time: int, states: int | None, dim=4, dstate=3, groups=None) -> dict:
+    bc = (1, dstate, time) if groups is None else (1, groups, dstate, time)
+    return dict(u=randn(1, dim, time), delta=randn(1, dim, time, scale=0.5), A=-uniform(dim, dstate, low=0.2, high=1.2),
+                B=randn(*bc), C=randn(*bc), D=randn(dim), z=randn(1, dim, time), delta_bias=randn(dim, scale=0.1),
+                initial_state=None if states is None else randn(states, dim, dstate))
+
+
+@pytest.mark.parametrize("kind", ["cu_seqlens", "seq_idx"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_selective_scan_packed_matches_reference(kind, with_state):
+    torch.manual_seed(4)
+    inputs = scan_inputs(sum(LENGTHS), n_seqs(kind) if with_state else None, groups=2)
+    check_against_reference(kernels.selective_scan, selective_scan_ref, {**inputs, **packing(kind, LENGTHS)},
+                            delta_softplus=True, chunk_size=CHUNK)
+
+
+def test_selective_scan_packed_across_chunks_equals_each_sequence_alone():
+    """Default chunks of 16: a sequence spanning three chunks, boundaries inside and on chunk edges."""
+    torch.manual_seed(5)
+    lengths = [1, 15, 0, 35, 2, 11]  # boundaries 0, 1, 16 (an edge), 16, 51, 53, 64 (an edge)
+    inputs = scan_inputs(sum(lengths), len(lengths))
+    state = inputs.pop("initial_state")
+    run_both(kernels.selective_scan, lengths, inputs, dict(u=2, delta=2, B=2, C=2, z=2, out=2), state, 5,
+             delta_softplus=True)
+
+
+def test_selective_scan_bad_packing_is_the_references_error():
+    inputs = scan_inputs(sum(LENGTHS), 3)
+    same_error(kernels.selective_scan, selective_scan_ref, **inputs, **packing("cu_seqlens", LENGTHS))
+    same_error(kernels.selective_scan, selective_scan_ref, **{**inputs, "initial_state": None},
+               cu_seqlens=torch.tensor([0, 2, 20], device=DEVICE))
