@@ -2,9 +2,16 @@
 input and against each sequence run alone: outputs, per-sequence final states and gradients. Lengths include an
 empty sequence, a sequence of one token, a boundary inside a chunk and one exactly on a chunk edge."""
 
+import functools
+import inspect
+
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from hybridlm import ops
+from hybridlm.ops import backends
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
 from hybridlm.ops.selective_scan import selective_scan_ref
@@ -137,3 +144,89 @@ def test_selective_scan_bad_packing_is_the_references_error():
     same_error(kernels.selective_scan, selective_scan_ref, **inputs, **packing("cu_seqlens", LENGTHS))
     same_error(kernels.selective_scan, selective_scan_ref, **{**inputs, "initial_state": None},
                cu_seqlens=torch.tensor([0, 2, 20], device=DEVICE))
+
+
+# ---- any lengths -----------------------------------------------------------------------------------------------
+
+lengths_lists = st.lists(st.integers(0, 9), min_size=1, max_size=4).filter(lambda n: sum(n) > 0)
+
+
+@settings(max_examples=4, deadline=None)
+@given(lengths=lengths_lists, chunk=st.sampled_from([2, 4]), with_state=st.booleans(), seed=st.integers(0, 99))
+def test_any_packing_matches_the_references(lengths, chunk, with_state, seed):
+    torch.manual_seed(seed)
+    time, n = sum(lengths), len(lengths) if with_state else None
+    cu = packing("cu_seqlens", lengths)
+    conv = dict(x=randn(1, 3, time), weight=randn(3, 3), bias=randn(3), initial_state=randn(n, 3, 2) if n else None)
+    check_against_reference(kernels.causal_conv1d, causal_conv1d_ref, {**conv, **cu}, activation="silu")
+    check_against_reference(kernels.causal_linear_attention, causal_linear_attention_ref,
+                            {**linear_attention_inputs(time, n), **cu}, chunk_size=chunk)
+    check_against_reference(kernels.selective_scan, selective_scan_ref, {**scan_inputs(time, n), **cu},
+                            delta_softplus=True, chunk_size=chunk)
+
+
+# ---- the backend choice ----------------------------------------------------------------------------------------
+
+TRITON_OPS = [op for op, names in backends.PREFERENCE.items() if "triton" in names]
+PACKED_CALLS = {  # op -> (inputs, options) of one packed call
+    "causal_conv1d": lambda: (dict(x=randn(1, 3, sum(LENGTHS)), weight=randn(3, 4), initial_state=randn(5, 3, 3)),
+                              {}),
+    "causal_linear_attention": lambda: (linear_attention_inputs(sum(LENGTHS), len(LENGTHS)), dict(chunk_size=CHUNK)),
+    "selective_scan": lambda: (scan_inputs(sum(LENGTHS), len(LENGTHS)), dict(delta_softplus=True)),
+}
+
+
+def packing_parameters(function) -> set[str]:
+    return set(inspect.signature(function).parameters) & set(backends.PACKING_ARGUMENTS)
+
+
+@pytest.mark.parametrize("op", TRITON_OPS)
+def test_every_triton_kernel_takes_the_packing_its_reference_takes(op):
+    assert packing_parameters(getattr(kernels, op)) == packing_parameters(backends.REFERENCES[op])
+
+
+@pytest.mark.parametrize("op", sorted(PACKED_CALLS))
+def test_a_forced_triton_backend_runs_packed_input(op):
+    torch.manual_seed(6)
+    inputs, options = PACKED_CALLS[op]()
+    cu = packing("cu_seqlens", LENGTHS)
+    with ops.use_backend(**{op: "triton"}):
+        got = getattr(ops, op)(**inputs, **options, **cu)
+    expected = backends.REFERENCES[op](**inputs, **options, **cu)
+    for g, e in zip(got, expected):
+        assert e.abs().max() > 0
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", sorted(PACKED_CALLS))
+def test_the_default_choice_gives_packed_input_to_triton(op):
+    """A faster backend that takes no packing (the CUDA scan, mamba-ssm, causal-conv1d) is passed over for packed
+    input, and the Triton kernel runs it rather than the reference; unpacked input still reaches the first."""
+    calls = []
+
+    def spy(name, function):
+        @functools.wraps(function)  # (the signature: whether it takes packing)
+        def recorded(*args, **kwargs):
+            calls.append(name)
+            return function(*args, **kwargs)
+        return recorded
+
+    def unpacked_only(*args, initial_state=None, **kwargs):
+        calls.append("no packing")
+        return backends.REFERENCES[op](*args, initial_state=initial_state, **kwargs)
+
+    plan = backends.Plan((unpacked_only, spy("triton", backends.load("triton", op, DEVICE))),
+                         spy("torch", backends.REFERENCES[op]), ("other", "triton", "torch"))
+    inputs, options = PACKED_CALLS[op]()
+    plan(**inputs, **options, **packing("cu_seqlens", LENGTHS))
+    assert calls == ["triton"]
+    plan(**{**inputs, "initial_state": None}, **options)
+    assert calls == ["triton", "no packing"]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the default choice on CUDA tensors needs a GPU")
+@pytest.mark.parametrize("op", sorted(PACKED_CALLS))
+def test_on_the_gpu_packed_input_runs_on_triton_by_default(op):
+    plan = backends.Selection({}).plan(op, "cuda")
+    takers = [name for name, packs in zip(plan.names, plan.packing) if packs]
+    assert takers[0] == "triton", (plan.names, plan.packing)
