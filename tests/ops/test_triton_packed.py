@@ -230,3 +230,26 @@ def test_on_the_gpu_packed_input_runs_on_triton_by_default(op):
     plan = backends.Selection({}).plan(op, "cuda")
     takers = [name for name, packs in zip(plan.names, plan.packing) if packs]
     assert takers[0] == "triton", (plan.names, plan.packing)
+
+
+def test_a_packed_model_on_the_triton_kernels_equals_each_document_alone():
+    """Mamba (conv + selective scan) and Performer (linear attention) layers on a packed row, every op on its
+    Triton kernel: logits and parameter gradients equal each document run alone on the references."""
+    from tests.helpers import assert_close_rel, tiny_model
+
+    model = tiny_model(3, layer_types=["mamba", "performer"], hidden_size=16).to(DEVICE)
+    lengths = [5, 1, 6]
+    ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)), device=DEVICE)
+    positions = torch.cat([torch.arange(n, device=DEVICE) for n in lengths])[None]
+    probe = randn(1, sum(lengths), model.config.vocab_size)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    alone = torch.cat([model(ids[:, a:a + n]).logits for a, n in zip(starts, lengths)], dim=1)
+    (alone * probe).sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    with ops.use_backend("triton"):
+        packed = model(ids, position_ids=positions).logits
+        (packed * probe).sum().backward()
+    assert_close_rel(packed, alone)
+    for name, p in model.named_parameters():
+        assert_close_rel(p.grad, expected[name], 1e-5, allow_zero_reference=True)

@@ -241,18 +241,6 @@ def state_dot_dtype(*tensors: torch.Tensor):
     return tl.float32
 
 
-# The kernels use the helpers below instead of tl.sum, tl.cumsum, tl.zeros, tl.sigmoid and tl.cdiv. Those are
-# @triton.jit functions of triton.language itself, and Triton's CPU interpreter runs them only if TRITON_INTERPRET
-# was set before triton.language was first imported, which a process that imports transformers (which imports
-# triton) cannot arrange. Built on the core primitives, these compile to the same code on the GPU.
-
-
-@triton.jit
-def program_id64(AXIS: tl.constexpr):
-    """``tl.program_id(AXIS)`` as int64, so that the offsets computed from it do not wrap past 2**31 elements."""
-    return tl.program_id(AXIS).to(tl.int64)
-
-
 class Packing(NamedTuple):
     """Packed sequences as the kernels read them (see :func:`sequence_span`): ``seq [time]``, each token's sequence
     number, and ``cu [n_seqs + 1]``, the boundaries (int64, on the inputs' device)."""
@@ -287,6 +275,19 @@ def sequence_span(SEQ, CU, row, t, mask, time, PACKED: tl.constexpr):
         start = t * 0
         end = t * 0 + time
     return seq, start, end
+
+
+
+# The kernels use the helpers below instead of tl.sum, tl.cumsum, tl.zeros, tl.sigmoid and tl.cdiv. Those are
+# @triton.jit functions of triton.language itself, and Triton's CPU interpreter runs them only if TRITON_INTERPRET
+# was set before triton.language was first imported, which a process that imports transformers (which imports
+# triton) cannot arrange. Built on the core primitives, these compile to the same code on the GPU.
+
+
+@triton.jit
+def program_id64(AXIS: tl.constexpr):
+    """``tl.program_id(AXIS)`` as int64, so that the offsets computed from it do not wrap past 2**31 elements."""
+    return tl.program_id(AXIS).to(tl.int64)
 
 
 @triton.jit
