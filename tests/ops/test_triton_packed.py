@@ -3,6 +3,7 @@ input and against each sequence run alone: outputs, per-sequence final states an
 empty sequence, a sequence of one token, a boundary inside a chunk and one exactly on a chunk edge."""
 
 import functools
+import importlib
 import inspect
 
 import pytest
@@ -69,6 +70,16 @@ def test_linear_attention_packed_equals_each_sequence_alone():
     state = inputs.pop("initial_state")
     run_both(kernels.causal_linear_attention, LENGTHS, inputs, dict(q=2, k=2, v=2, log_decay=2, out=2), state, 1,
              chunk_size=CHUNK)
+
+
+def test_packed_linear_attention_while_capturing_reads_cu_seqlens_on_the_device_only(monkeypatch):
+    """As the SSD (same chunk table): under CUDA-graph capture (simulated) ``cu_seqlens`` never goes to the host."""
+    chunks = importlib.import_module("hybridlm.ops.triton.chunks")
+    monkeypatch.setattr(chunks, "_capturing", lambda device: True)
+    monkeypatch.setattr(chunks, "packed_sequences", lambda *a, **k: pytest.fail("cu_seqlens read on the host"))
+    torch.manual_seed(7)
+    inputs = {**linear_attention_inputs(sum(LENGTHS), len(LENGTHS)), **packing("cu_seqlens", LENGTHS)}
+    check_against_reference(kernels.causal_linear_attention, causal_linear_attention_ref, inputs, chunk_size=CHUNK)
 
 
 def test_linear_attention_bad_packing_is_the_references_error():
