@@ -49,6 +49,21 @@ def op_calls(device: str, dtype: torch.dtype, small: bool) -> dict:
     }
 
 
+#: ops whose Triton kernels take packed sequences, and the time axis of their first argument
+PACKED_TIME_AXIS = {"ssd_chunk_scan": 1, "selective_scan": -1, "causal_conv1d": -1}
+
+
+def calls(device: str, dtype: torch.dtype, small: bool):
+    """``(label, op, args, kwargs, wrt)`` for each of :func:`op_calls`, and again packed (``cu_seqlens``: a
+    one-token sequence, an empty one and two longer ones) for the ops that take packed sequences."""
+    for op, (args, kwargs, wrt) in op_calls(device, dtype, small).items():
+        yield op, op, args, kwargs, wrt
+        if op in PACKED_TIME_AXIS:
+            length = args[0].shape[PACKED_TIME_AXIS[op]]
+            cu_seqlens = torch.tensor([0, 1, length // 3, length // 3, length], device=device)
+            yield f"{op} packed", op, args, {**kwargs, "cu_seqlens": cu_seqlens}, wrt
+
+
 REFERENCES = {"ssd_chunk_scan": ssd_chunk_scan_ref, "selective_scan": selective_scan_ref,
               "causal_conv1d": causal_conv1d_ref, "selective_state_update": selective_state_update_ref,
               "causal_conv1d_update": causal_conv1d_update_ref}
@@ -75,17 +90,17 @@ def kernel_errors(device: str, small: bool) -> tuple[list[dict], dict]:
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
-        for op, (args, kwargs, wrt) in op_calls(device, dtype, small).items():
+        for label, op, args, kwargs, wrt in calls(device, dtype, small):
             kernel = backends.load("triton", op, device)
             upcast = [a.float() if isinstance(a, torch.Tensor) else a for a in args]
             got = _outputs(kernel, args, kwargs, wrt)
-            expected = _outputs(REFERENCES[op], upcast, {k: v.float() if isinstance(v, torch.Tensor) else v
-                                                         for k, v in kwargs.items()}, wrt)
+            expected = _outputs(REFERENCES[op], upcast, {k: v.float() if torch.is_tensor(v) and v.is_floating_point()
+                                                         else v for k, v in kwargs.items()}, wrt)
             for name, g, e in zip(["output", *(f"grad {i}" for i in wrt)], got, expected):
                 error = float((g - e).abs().max() / e.abs().max().clamp_min(1e-30))
-                row = dict(op=op, dtype=str(dtype)[6:], what=name, rel_error=error, ok=error <= TOLERANCE[dtype])
+                row = dict(op=label, dtype=str(dtype)[6:], what=name, rel_error=error, ok=error <= TOLERANCE[dtype])
                 rows.append(row)
-                print(f"{op:24s} {row['dtype']:9s} {name:8s} rel. error {error:.2e} {'' if row['ok'] else 'FAIL'}",
+                print(f"{label:24s} {row['dtype']:9s} {name:8s} rel. error {error:.2e} {'' if row['ok'] else 'FAIL'}",
                       flush=True)
     for name, resources in _common.compiled.items():
         print(f"{name:28s} {resources}")
@@ -160,7 +175,7 @@ def compile_for_sm90(path=None, small: bool = False) -> dict:
     record: dict = {}
     with _compile_only(record, path):
         for dtype in (torch.float32, torch.bfloat16):
-            for op, (args, kwargs, wrt) in op_calls("cpu", dtype, small).items():
+            for _, op, args, kwargs, wrt in calls("cpu", dtype, small):
                 _outputs(getattr(kernels, op), args, kwargs, wrt)
     return record
 
