@@ -60,19 +60,22 @@ def stdlib_corpus() -> Corpus:
     return Corpus(train, held_out)
 
 
-def expand_paths(specs: list[str]) -> list[Path]:
-    """Files named by ``specs``: files, directories (every file below, recursively) or glob patterns."""
+def expand_paths(specs: list[str], option: str = "--data") -> list[Path]:
+    """Files named by ``specs``: files, directories (every file below, recursively) or glob patterns; ``option``
+    is the command-line option named in errors."""
     files: list[Path] = []
     for spec in specs:
         path = Path(spec)
         if path.is_dir():
             found = sorted(p for p in path.rglob("*") if p.is_file())
+            if not found:
+                raise FileNotFoundError(f"{option} {spec!r}: the directory holds no files")
         elif path.is_file():
             found = [path]
         else:
             found = sorted(Path(p) for p in glob.glob(spec, recursive=True) if Path(p).is_file())
         if not found:
-            raise FileNotFoundError(f"--data {spec!r}: no such file, directory or matching files")
+            raise FileNotFoundError(f"{option} {spec!r}: no such file, directory or matching files")
         files += found
     return files
 
@@ -86,7 +89,9 @@ def text_corpus(train_specs: list[str], held_out_specs: list[str] | None = None,
     if not documents:
         raise ValueError(f"--data {train_specs}: the files are empty")
     if held_out_specs:
-        held_out = [(str(p), _read(p)) for p in expand_paths(held_out_specs)]
+        held_out = [(str(p), _read(p)) for p in expand_paths(held_out_specs, "--eval-data")]
+        if not any(text.strip() for _, text in held_out):
+            raise ValueError(f"--eval-data {held_out_specs}: the files are empty")
         return Corpus(documents, held_out)
     step = max(2, round(1 / held_out_fraction))
     held_out = documents[::step]

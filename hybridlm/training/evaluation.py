@@ -20,7 +20,8 @@ class HeldOut:
     def of(cls, tokenizer, texts: list[str], seq_len: int) -> HeldOut:
         stream = tokenize_documents(tokenizer, texts)
         text_bytes = sum(len(text.encode("utf-8")) + 1 for text in texts)
-        return cls(pack_documents(stream, seq_len, tokenizer.eos_token_id), len(stream) / text_bytes)
+        rows = pack_documents(stream, seq_len, tokenizer.eos_token_id, what="the held-out text (--eval-data)")
+        return cls(rows, len(stream) / text_bytes)
 
     def bits_per_byte(self, loss: float) -> float:
         """Bits per byte of a mean loss in nats per token."""

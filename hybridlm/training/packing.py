@@ -54,11 +54,11 @@ class PackedRows:
         return {"input_ids": ids, "labels": labels, "position_ids": positions}
 
 
-def pack_documents(stream: torch.Tensor, seq_len: int, eos_id: int) -> PackedRows:
-    """Cut ``stream`` into ``len(stream) // seq_len`` rows (the tail is dropped)."""
+def pack_documents(stream: torch.Tensor, seq_len: int, eos_id: int, what: str = "the training text") -> PackedRows:
+    """Cut ``stream`` into ``len(stream) // seq_len`` rows (the tail is dropped); ``what`` names it in errors."""
     rows = len(stream) // seq_len
     if rows < 1:
-        raise ValueError(f"the corpus has {len(stream)} tokens, fewer than one row of --seq-len {seq_len}")
+        raise ValueError(f"{what} has {len(stream)} tokens, fewer than one row of --seq-len {seq_len}")
     ids = stream[: rows * seq_len].view(rows, seq_len)
     starts = torch.zeros_like(ids, dtype=torch.bool)  # [rows, seq_len]: a document starts here
     starts[:, 0] = True

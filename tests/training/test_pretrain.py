@@ -101,6 +101,13 @@ def test_bad_input_is_an_error_before_training(corpus, model_file, tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("   \n")
     fails("empty", "--data", str(empty))
+    fails("--eval-data .*missing.txt.*no such file", "--eval-data", str(corpus / "missing.txt"))
+    fails("--eval-data .*the files are empty", "--eval-data", str(empty))
+    short = tmp_path / "short.py"
+    short.write_text("x = 1\n")
+    fails(r"the held-out text \(--eval-data\) has \d+ tokens, fewer than one row", "--eval-data", str(short))
+    (tmp_path / "no_files").mkdir()
+    fails("--data .*no_files.*the directory holds no files", "--data", str(tmp_path / "no_files"))
     limited = tmp_path / "limited.json"
     limited.write_text(json.dumps({**TINY_MODEL, "max_position_embeddings": 16}))
     fails("beyond the model's limit", "--model", str(limited))
