@@ -25,25 +25,39 @@ DEFAULT_CHAT_TEMPLATE = (
 BUILTIN_TASKS = {"docstrings": "docstring -> function from the standard library (hybridlm.training.docstring_task)"}
 
 
-def read_examples(path: str | Path) -> list[dict]:
-    """The examples of a JSONL file, each checked to be a prompt/response pair or a chat."""
+def read_examples(path: str | Path, option: str = "--data") -> list[dict]:
+    """The examples of a JSONL file, each checked to be a prompt/response pair or a chat with an assistant turn;
+    ``option`` is the command-line option named in errors."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--data {path}: no such file")
+        raise FileNotFoundError(f"{option} {path}: no such file")
     examples = []
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        example = json.loads(line)
-        chat = isinstance(example, dict) and isinstance(example.get("messages"), list)
-        pair = isinstance(example, dict) and all(isinstance(example.get(k), str) for k in ("prompt", "response"))
-        if not (chat or pair):
-            raise ValueError(f"{path}:{number}: an example needs string 'prompt' and 'response', or a 'messages' "
-                             "list")
+        try:
+            example = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{option} {path}:{number}: not a JSON line ({error})") from None
+        if not (_is_pair(example) or _is_chat(example)):
+            raise ValueError(f"{option} {path}:{number}: an example needs string 'prompt' and 'response', or a "
+                             "'messages' list of {'role': str, 'content': str} with an assistant turn")
         examples.append(example)
     if not examples:
-        raise ValueError(f"--data {path}: no examples")
+        raise ValueError(f"{option} {path}: no examples")
     return examples
+
+
+def _is_pair(example) -> bool:
+    return isinstance(example, dict) and all(isinstance(example.get(k), str) for k in ("prompt", "response"))
+
+
+def _is_chat(example) -> bool:
+    messages = example.get("messages") if isinstance(example, dict) else None
+    return (isinstance(messages, list)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)
+            and any(m["role"] == "assistant" for m in messages))
 
 
 def _chat_segments(tokenizer, messages: list[dict]) -> list[tuple[str, bool]]:
@@ -141,10 +155,11 @@ def _examples(args) -> tuple[list[dict], list[dict]]:
         from .docstring_task import docstring_examples
 
         train = docstring_examples(held_out=False)
-        return train, read_examples(args.eval_data) if args.eval_data else docstring_examples(held_out=True)
+        return train, (read_examples(args.eval_data, "--eval-data") if args.eval_data
+                       else docstring_examples(held_out=True))
     train = read_examples(args.data)
     if args.eval_data:
-        return train, read_examples(args.eval_data)
+        return train, read_examples(args.eval_data, "--eval-data")
     if len(train) < 2:
         raise ValueError(f"--data {args.data}: too few examples to hold some out; pass --eval-data")
     return [e for i, e in enumerate(train) if i % 10], train[::10]

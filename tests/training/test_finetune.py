@@ -68,6 +68,22 @@ def test_bad_examples_are_named(tmp_path):
         read_examples(path)
 
 
+@pytest.mark.parametrize("line", [
+    "not json", '{"prompt": "x", "response": "y"', '["x", "y"]', '{"prompt": 3, "response": "y"}',
+    '{"messages": ["hello"]}', '{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}',
+    '{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 5}]}',
+    '{"messages": [{"role": "user", "content": "x"}]}'])
+def test_a_malformed_line_is_named_by_option_file_and_line(tmp_path, line):
+    """Malformed JSON, a chat message without string role and content, or a chat with no assistant turn: an error
+    naming the option, the file and the line (not a JSONDecodeError or AttributeError, nor silently trained)."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(PAIRS[0]) + "\n" + line + "\n")
+    with pytest.raises(ValueError, match="--eval-data .*bad.jsonl:2: "):
+        read_examples(path, "--eval-data")
+    with pytest.raises(FileNotFoundError, match="--eval-data .*missing.jsonl: no such file"):
+        read_examples(tmp_path / "missing.jsonl", "--eval-data")
+
+
 #: Two stacks that hold every mixer kind between them, the first with MoE layers.
 STACKS = {
     "mamba-mamba2-attention-performer-moe": dict(layer_pattern="MSAP", expert_layer_period=2, expert_layer_offset=1),
