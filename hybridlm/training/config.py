@@ -40,6 +40,8 @@ class TrainConfig:
             raise ValueError(f"--lr must be a positive number, got {self.lr}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.layout not in LAYOUTS:

@@ -160,7 +160,9 @@ def run(args) -> dict:
         raise FileExistsError(f"--out {out} already holds a checkpoint: pass --resume to continue it, or another --out")
     if args.resume and not (out / "checkpoint").exists():
         raise FileNotFoundError(f"--resume: no checkpoint in {out}")
-    if args.threads:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
     corpus = _corpus(args)
     tokenizer = _tokenizer(args, corpus, out, args.resume, parallel)

@@ -113,6 +113,8 @@ def test_bad_input_is_an_error_before_training(corpus, model_file, tmp_path):
     fails("beyond the model's limit", "--model", str(limited))
     fails("--seq-len must be at least 2", "--seq-len", "1")
     fails("not divisible by --grad-accum", "--grad-accum", "3")
+    fails("--weight-decay must be a finite number >= 0", "--weight-decay", "-1")
+    fails("--threads must be a positive integer", "--threads", "-2")
     fails("not a preset", "--model", "no-such-preset")
     fails("--resume: no checkpoint", "--resume")
 
