@@ -8,6 +8,8 @@ takes part in the forward; ``tests/training/test_finetune.py`` checks each adapt
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 
@@ -31,6 +33,8 @@ def add_lora(model, rank: int = 8, alpha: float | None = None, dropout: float = 
     peft = _peft()
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"--lora rank must be a positive integer, got {rank!r}")
+    if alpha is not None and not (isinstance(alpha, (int, float)) and 0 < alpha < math.inf):
+        raise ValueError(f"--lora-alpha must be a finite number > 0 (0 would turn the adapters off), got {alpha!r}")
     config = peft.LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
                              target_modules=linear_module_names(model), task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)

@@ -92,6 +92,15 @@ STACKS = {
 }
 
 
+@pytest.mark.parametrize("rank, alpha", [(0, None), (-1, None), (4, 0.0), (4, -1.0), (4, float("nan"))])
+def test_bad_lora_settings_are_named(rank, alpha):
+    """A rank below 1, or a scale numerator of 0 (adapters silently off), negative or NaN (NaN weights) is refused."""
+    from hybridlm.training.lora import add_lora
+
+    with pytest.raises(ValueError, match="--lora-alpha must be" if rank > 0 else "--lora rank must be"):
+        add_lora(tiny_model(layer_pattern="SA"), rank, alpha)
+
+
 def _lora_model(stack: str = "mamba-mamba2-attention-performer-moe"):
     from hybridlm.training.lora import add_lora
 
