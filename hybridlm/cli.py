@@ -14,7 +14,6 @@ errors answer without importing torch or transformers. To add one::
 from __future__ import annotations
 
 import argparse
-import sys
 
 from . import cli_inspect  # noqa: F401  (registers demo, info, build-kernels, bench, memory: listed first)
 from .cli_common import (
@@ -27,6 +26,7 @@ from .cli_common import (
     positive_int,
     print_stream,
     probability,
+    run_reporting_bad_input,
     token_ids,
 )
 
@@ -61,11 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    try:
-        args.run(args)
-    except (ValueError, TypeError, OSError) as error:  # bad input: one line, no traceback
-        print(f"hybridlm {args.command}: {error}", file=sys.stderr)
-        raise SystemExit(2) from error
+    run_reporting_bad_input(f"hybridlm {args.command}", args.run, args)
 
 
 # --- commands --------------------------------------------------------------------------------------

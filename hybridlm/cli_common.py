@@ -8,6 +8,7 @@ it runs, so ``hybridlm --help`` and argument errors answer without importing tor
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,16 @@ def option(*flags: str, **settings) -> Option:
     None / False is appended to it, so for a default of None say in ``help`` what happens without the option
     (``"...; default: ..."`` or ``"(without it: ...)"``): ``tests/test_cli.py`` checks that every option does."""
     return flags, settings
+
+
+def run_reporting_bad_input(prog: str, run: Callable, *args):
+    """``run(*args)``; bad input (ValueError, TypeError, OSError) ends the program with one line ``prog: message``
+    on stderr and exit status 2, not a traceback (``hybridlm`` and the training recipes)."""
+    try:
+        return run(*args)
+    except (ValueError, TypeError, OSError) as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        raise SystemExit(2) from error
 
 
 #: KV cache bit widths (16: unquantized; 8 / 4 / 2: KIVI), as ``CachePolicy.kv_bits`` takes them.

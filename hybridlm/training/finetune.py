@@ -258,4 +258,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from ..cli_common import run_reporting_bad_input
+
+    run_reporting_bad_input("python -m hybridlm.training.finetune", main)

@@ -5,6 +5,7 @@ changes the logits), merged logits equal to the adapter model's, and end-to-end 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +91,21 @@ STACKS = {
     "linformer-deltanet-kda-mla-short_conv": dict(
         layer_types=["linformer", "gated_deltanet", "kda", "mla", "short_conv"]),
 }
+
+
+def test_the_recipe_reports_bad_input_in_one_line(tokenizer, tmp_path, monkeypatch, capsys):
+    """``python recipes/finetune.py`` with a missing data file: one line naming --data, exit status 2, no
+    traceback (as ``hybridlm`` answers)."""
+    import runpy
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "finetune.py"
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setattr("sys.argv", [str(recipe), "--model", str(tmp_path), "--data", str(tmp_path / "missing.jsonl"),
+                                     "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(recipe), run_name="__main__")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"recipes/finetune.py: --data {tmp_path / 'missing.jsonl'}: no such file\n"
 
 
 @pytest.mark.parametrize("rank, alpha", [(0, None), (-1, None), (4, 0.0), (4, -1.0), (4, float("nan"))])
