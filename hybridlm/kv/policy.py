@@ -58,7 +58,7 @@ class CachePolicy:
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
                 raise ValueError(f"CachePolicy.{name}={value!r} must be an integer >= {0 if allow_zero else 1}")
 
-        if self.kv_bits not in (*BITS, 16):
+        if not isinstance(self.kv_bits, int) or isinstance(self.kv_bits, bool) or self.kv_bits not in (*BITS, 16):
             raise ValueError(f"CachePolicy.kv_bits={self.kv_bits!r} must be one of 2, 4, 8 or 16")
         positive("kv_group_size", self.kv_group_size)
         positive("kv_residual", self.kv_residual, allow_zero=True)

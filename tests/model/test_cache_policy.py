@@ -175,6 +175,7 @@ def test_policy_reaches_generate_and_the_incremental_decoder():
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(kv_bits=3), "kv_bits"),
+    (dict(kv_bits=4.0), r"kv_bits=4\.0 must be one of"),  # a float passed 4.0 in (2, 4, 8, 16), then failed in torch
     (dict(kv_group_size=0), "kv_group_size"),
     (dict(sink_tokens=4, window=2), "smaller than sink_tokens"),
     (dict(sink_tokens=4), "need window"),
