@@ -24,6 +24,10 @@ class CacheConstruction:
         ``policy`` (a :class:`~hybridlm.CachePolicy`, or ``{state index: CachePolicy}``) picks the KV layout of
         attention layers (quantized, sinks + window, heavy hitters); it stays with the cache. ``static=True``
         fixes the capacity at ``max_length`` so that a decode step has fixed shapes (:mod:`hybridlm.kv.static`)."""
+        for name, value, low in (("batch_size", batch_size, 1), ("max_length", max_length, 0)):
+            if not (value is None and name == "max_length") and (
+                    not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ValueError(f"new_cache: {name} must be an integer >= {low}, got {value!r}")
         device = device if device is not None else self.embed_tokens.weight.device
         dtype = dtype if dtype is not None else self.embed_tokens.weight.dtype
         # under a policy, states are first made without preallocation: a layout the policy swaps in must not cost

@@ -11,6 +11,7 @@ ID_DTYPES = (torch.long, torch.int32)
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int, device: torch.device) -> None:
     """``input_ids [batch, time]``: long or int32, on ``device``, non-empty, in ``[0, vocab_size)``."""
+    _check_tensor("input_ids", input_ids)
     if input_ids.dtype not in ID_DTYPES:
         raise TypeError(f"input_ids must hold integer token ids as torch.long (or torch.int32), got {input_ids.dtype}")
     if input_ids.dim() != 2:
@@ -23,12 +24,19 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int, device: torch.devi
 
 def check_embeddings(inputs_embeds: torch.Tensor, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """``inputs_embeds [batch, time, hidden_size]`` of the model's ``dtype``, on ``device``, non-empty."""
+    _check_tensor("inputs_embeds", inputs_embeds)
     if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size:
         raise ValueError(f"inputs_embeds must be [batch, time, {hidden_size}], got {tuple(inputs_embeds.shape)}")
     if inputs_embeds.dtype != dtype:
         raise TypeError(f"inputs_embeds is {inputs_embeds.dtype} but the model computes in {dtype}: convert it with "
                         f"inputs_embeds.to({dtype})")
     _check_placement("inputs_embeds", inputs_embeds, device)
+
+
+def _check_tensor(name: str, value) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__} (a list of ids: "
+                        f"torch.tensor([ids]))")
 
 
 def check_position_ids(position_ids: torch.Tensor, batch: int, time: int) -> None:

@@ -52,6 +52,19 @@ def test_inputs_on_another_device(model, argument):
         model(**{argument: value.to("meta")})
 
 
+@pytest.mark.parametrize("argument", ["input_ids", "inputs_embeds"])
+def test_inputs_that_are_not_tensors(model, argument):
+    with pytest.raises(TypeError, match=rf"{argument} must be a torch.Tensor, got list"):
+        model(**{argument: [[1, 2]] if argument == "input_ids" else [[[0.0] * HIDDEN] * 2]})
+
+
+@pytest.mark.parametrize("batch_size, max_length", [(0, None), (-1, None), ("2", None), (1, -1), (1, 2.0)])
+def test_new_cache_sizes_are_counts(model, batch_size, max_length):
+    name = "batch_size" if batch_size != 1 else "max_length"
+    with pytest.raises(ValueError, match=rf"new_cache: {name} must be an integer >= \d, got"):
+        model.new_cache(batch_size, max_length)
+
+
 def test_cache_on_another_device(model):
     with pytest.raises(ValueError, match=r"cache is on meta but the model on cpu: move it with cache.to\('cpu'\)"):
         model(torch.tensor([[1, 2]]), cache=model.new_cache(1, device="meta"))
