@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from .cli_common import KV_BITS, command, non_negative_int, option, positive_int, print_stream
 from .paths import existing_config
 from .presets import PRESETS  # names and settings only: no torch
@@ -10,14 +12,16 @@ from .presets import PRESETS  # names and settings only: no torch
 DEFAULT_PRESET = "jamba-small"
 
 
-def _build(config, seed: int = 0):
-    """A randomly initialised causal LM of ``config`` (seeded), in eval mode."""
+def _build(config, seed: int = 0, device: str | None = None):
+    """A randomly initialised causal LM of ``config`` (seeded), in eval mode; on ``device="meta"`` its tensors have
+    shapes but no storage (enough to count parameters and cache bytes)."""
     import torch
 
     from .model import HybridForCausalLM
 
     torch.manual_seed(seed)
-    return HybridForCausalLM(config).eval()
+    with torch.device(device) if device else contextlib.nullcontext():
+        return HybridForCausalLM(config).eval()
 
 
 def _config_from(path: str):
@@ -100,7 +104,7 @@ def run_info(args) -> None:
         print(f"preset: {name}" + ("" if args.preset else " (the default; choose with --preset or --config)"))
     from .bench import cache_bytes, fill_cache, mixers_by_kind, table
 
-    model = _build(config)
+    model = _build(config, device="meta")  # sizes only: a full-size config must not allocate its weights
     print(f"layers: {config.num_hidden_layers}  hidden: {config.hidden_size}  "
           f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M")
     fixed, per_token = cache_bytes(model, args.context)

@@ -45,6 +45,22 @@ def test_info_by_kind_for_a_preset_and_a_config_file(capsys, tmp_path):
     assert "+ 256 B per token of context" in out
 
 
+def test_info_reads_a_config_far_larger_than_memory(capsys, tmp_path):
+    """``info`` counts parameters and cache bytes without allocating weights: a config whose embedding alone is
+    2**36 x 32 floats (8 TiB; allocating it was an error inside torch) is reported, parameters exactly."""
+    vocab, hidden = 2**36, 32
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"layer_pattern": "AS", "hidden_size": hidden, "num_attention_heads": 4,
+                                  "mamba2_head_dim": 16, "vocab_size": vocab, "tie_word_embeddings": True}))
+    main(["info", "--config", str(config), "--context", "10"])
+    out = capsys.readouterr().out
+    from hybridlm import HybridConfig, HybridForCausalLM
+
+    small = HybridForCausalLM(HybridConfig(**{**json.loads(config.read_text()), "vocab_size": 50}))
+    rest = sum(p.numel() for p in small.parameters()) - 50 * hidden  # all but the (tied) embedding
+    assert f"parameters: {(vocab * hidden + rest) / 1e6:.2f} M" in out and "+ 256 B per token of context" in out
+
+
 def test_info_without_arguments_names_its_preset(capsys):
     main(["info", "--context", "16"])
     assert capsys.readouterr().out.startswith("preset: jamba-small (the default")
