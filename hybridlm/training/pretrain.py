@@ -144,6 +144,34 @@ def check_seq_len(seq_len: int, model) -> None:
         raise ValueError(f"--seq-len {seq_len} is beyond the model's limit of {limit} positions")
 
 
+#: The settings a resumed run must share with the run it continues (written in ``--out`` by a new run).
+RUN_SETTINGS = "run_settings.json"
+
+
+def _run_settings(args, rows) -> dict:
+    """What decides the rows each step trains on: the packed training ids (data, tokenizer, --seq-len), the global
+    batch, the layout and the seed of the data order."""
+    import hashlib
+
+    return {"--seq-len": args.seq_len, "--batch-size": args.batch_size, "--layout": args.layout, "--seed": args.seed,
+            "training rows (--data)": hashlib.sha1(rows.ids.numpy().tobytes()).hexdigest()}
+
+
+def check_same_settings(out: Path, settings: dict) -> None:
+    """``--resume`` continues exactly only with the settings of the run in ``out``: refuse others, naming them
+    (a run written before this file existed is not checked)."""
+    path = out / RUN_SETTINGS
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    differing = [f"{name} {settings[name]} (the run used {saved[name]})" if name.startswith("--")
+                 else f"{name} differ from the run's" for name in settings
+                 if name in saved and saved[name] != settings[name]]
+    if differing:
+        raise ValueError(f"--resume: {out} was trained with other settings, so it would not continue exactly: "
+                         + "; ".join(differing))
+
+
 def run(args) -> dict:
     """Validate, prepare the data, train, save the model with its tokenizer; returns the last metrics."""
     import torch
@@ -176,9 +204,14 @@ def run(args) -> dict:
     eos = tokenizer.eos_token_id
     rows = pack_documents(tokenize_documents(tokenizer, corpus.train_texts), args.seq_len, eos)
     held_out = HeldOut.of(tokenizer, corpus.held_out_texts, args.seq_len)
+    settings = _run_settings(args, rows)
+    if args.resume:
+        check_same_settings(out, settings)
     if parallel.is_main:
         out.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(out)
+        if not args.resume:
+            (out / RUN_SETTINGS).write_text(json.dumps(settings, indent=1))
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, layers {model.config.layer_types}")
         print(f"data: {len(rows)} rows x {args.seq_len} tokens for training ({len(corpus.train)} documents), "
               f"{len(held_out.rows)} held-out rows; {1 / held_out.tokens_per_byte:.2f} bytes per token")

@@ -125,6 +125,11 @@ def test_bad_input_is_an_error_before_training(corpus, model_file, tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({**TINY_MODEL, "hidden_size": 64}))
     fails("of another model.*hidden_size", "--model", str(other), "--resume", out=done)
+    fails(r"--resume: .* other settings.*--seq-len 16 \(the run used 32\); --batch-size 8 \(the run used 4\)",
+          "--seq-len", "16", "--batch-size", "8", "--resume", out=done)
+    fails(r"--resume: .* other settings.*--seed 5 \(the run used 0\)", "--seed", "5", "--resume", out=done)
+    fails(r"--resume: .* other settings.*training rows \(--data\) differ", "--data", str(corpus / "heapq.py"),
+          "--resume", out=done)
     small_vocab = tmp_path / "small_vocab"
     pretrain.main(args_for(corpus, model_file, small_vocab, "--steps", "1", "--vocab-size", "280"))
     fails("the tokenizer has 300 entries", "--model", str(small_vocab), "--tokenizer", str(done))
