@@ -83,10 +83,11 @@ def main(argv: list[str] | None = None) -> None:
     option("--prefill-chunk", type=positive_int, default=512, help="prompt tokens fed per forward during prefill"),
     option("--kv-bits", type=int, choices=KV_BITS, default=16,
            help="KV cache bits: 16, or 8 / 4 / 2 (KIVI quantization)"),
-    option("--kv-residual", type=non_negative_int, default=128,
-           help="with --kv-bits: recent tokens kept in full precision (lower it for a short --window)"),
-    option("--kv-group-size", type=positive_int, default=32,
-           help="with --kv-bits: tokens per key scale, channels per value scale"),
+    option("--kv-residual", type=non_negative_int,
+           help="with --kv-bits: recent tokens kept in full precision (lower it for a short --window); "
+                "default: 128"),
+    option("--kv-group-size", type=positive_int,
+           help="with --kv-bits: tokens per key scale, channels per value scale; default: 32"),
     option("--sink-tokens", type=non_negative_int, default=0, help="attention sinks kept with --window (StreamingLLM)"),
     option("--window", type=positive_int,
            help="keep only the last WINDOW tokens' keys and values (with --sink-tokens); default: keep every token"),
@@ -126,8 +127,13 @@ def run_generate(args) -> None:
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     from .kv.policy import CachePolicy
 
-    policy = CachePolicy(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, kv_residual=args.kv_residual,
-                         sink_tokens=args.sink_tokens, window=args.window, page_size=args.page_size)
+    quantization = {name: value for name, value in (("kv_group_size", args.kv_group_size),
+                                                     ("kv_residual", args.kv_residual)) if value is not None}
+    if quantization and args.kv_bits == 16:
+        raise ValueError(f"{', '.join('--' + name.replace('_', '-') for name in quantization)} only apply with "
+                         "--kv-bits 8, 4 or 2")
+    policy = CachePolicy(kv_bits=args.kv_bits, **quantization, sink_tokens=args.sink_tokens, window=args.window,
+                         page_size=args.page_size)
     print_stream(model, tokenizer, prompt_ids, stops, settings, args.prefill_chunk,
                  None if policy.is_default else policy, compile=args.compile)
 

@@ -268,3 +268,13 @@ def test_generate_cli_passes_kv_residual_and_group_size(capsys, tmp_path):
     assert printed == tokens.tolist()[: len(printed)] and len(printed) > 0
     _, cache = decode(model, random_ids(1, 43), policy, prefill=3)
     assert quantized_state(cache).quantized > 0  # with these flags, window tokens really are quantized
+
+
+@pytest.mark.parametrize("flags", [["--kv-residual", "4"], ["--kv-group-size", "8"]])
+def test_generate_cli_refuses_quantization_flags_without_kv_bits(flags, tmp_path, capsys):
+    """--kv-residual / --kv-group-size without --kv-bits would do nothing: an error naming them, not silence."""
+    tiny_model(layer_pattern="MA").save_pretrained(tmp_path)
+    with pytest.raises(SystemExit) as stopped:
+        main(["generate", "--model", str(tmp_path), "--ids", "3,4,5", "--max-new-tokens", "2", *flags])
+    assert stopped.value.code == 2
+    assert f"{flags[0]} only apply with --kv-bits 8, 4 or 2" in capsys.readouterr().err
