@@ -187,6 +187,14 @@ def test_merged_logits_equal_the_adapter_models(stack, dtype, rel):
         assert_close_rel(merged(input_ids=ids).logits, adapted, rel=rel)
 
 
+def _config_and_tokenizer(tmp_path, tokenizer, layer_pattern):
+    """A tiny model's config.json and the tokenizer saved beside it: the ``--model`` and ``--tokenizer`` paths."""
+    config, tokenizer_dir = tmp_path / "config.json", tmp_path / "tokenizer"
+    config.write_text(json.dumps(dict(TINY, layer_pattern=layer_pattern)))
+    tokenizer.save_pretrained(tokenizer_dir)
+    return config, tokenizer_dir
+
+
 def _write_jsonl(path, examples):
     path.write_text("".join(json.dumps(e) + "\n" for e in examples))
     return path
@@ -232,10 +240,7 @@ def test_chat_lora_adapters_save_and_reload(tokenizer, tmp_path):
     from hybridlm.training.finetune import pack_examples as pack
     from hybridlm.training.pretrain import build_model
 
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(dict(TINY, layer_pattern="SA")))
-    tokenizer_dir = tmp_path / "tokenizer"
-    tokenizer.save_pretrained(tokenizer_dir)
+    config, tokenizer_dir = _config_and_tokenizer(tmp_path, tokenizer, "SA")
     data = _write_jsonl(tmp_path / "chat.jsonl", CHATS[:24])
     held_out = _write_jsonl(tmp_path / "chat_eval.jsonl", CHATS[24:])
     result = main(["--model", str(config), "--tokenizer", str(tokenizer_dir)]
@@ -274,10 +279,7 @@ def test_full_fine_tuning_saves_the_whole_model(tokenizer, tmp_path):
     import hybridlm
     from hybridlm.training.pretrain import build_model
 
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(dict(TINY, layer_pattern="MA")))
-    tokenizer_dir = tmp_path / "tokenizer"
-    tokenizer.save_pretrained(tokenizer_dir)
+    config, tokenizer_dir = _config_and_tokenizer(tmp_path, tokenizer, "MA")
     result = main(["--model", str(config), "--tokenizer", str(tokenizer_dir), "--seed", "5"]
                   + _common(tmp_path, _write_jsonl(tmp_path / "d.jsonl", PAIRS)))
     assert result["eval_loss_after"] < result["eval_loss_before"]
@@ -293,11 +295,9 @@ def test_full_fine_tuning_saves_the_whole_model(tokenizer, tmp_path):
 
 
 def test_bad_fine_tuning_options_fail_before_training(tokenizer, tmp_path):
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(dict(TINY, layer_pattern="SA")))  # Mamba-2: Jamba cannot hold it
-    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    config, tokenizer_dir = _config_and_tokenizer(tmp_path, tokenizer, "SA")  # Mamba-2: Jamba cannot hold it
     data = _write_jsonl(tmp_path / "d.jsonl", PAIRS)
-    start = ["--model", str(config), "--tokenizer", str(tmp_path / "tokenizer")]
+    start = ["--model", str(config), "--tokenizer", str(tokenizer_dir)]
     with pytest.raises(ValueError, match="--merge needs --lora"):
         main(start + _common(tmp_path, data, merge=True))
     with pytest.raises(ValueError, match="cannot be written as jamba"):
