@@ -103,6 +103,30 @@ def grid(args) -> list[dict]:
     return jobs
 
 
+# What every run kept in one OUT shares: resuming with another value would put two experiments in one table.
+RUN_SETTINGS = ("steps", "batch_size", "train_rows", "test_rows", "pair_mix", "warm_cell", "warm_steps",
+                "mamba2_norm", "vocab_size", "seed")
+
+
+def run_settings(args) -> dict:
+    """The RUN_SETTINGS of this invocation, as a run records them."""
+    settings = {name: getattr(args, name) for name in RUN_SETTINGS}
+    settings["warm_cell"] = args.warm_cell and ":".join(map(str, args.warm_cell))
+    return settings
+
+
+def check_resumable(runs: list[dict], args) -> None:
+    """Refuse to resume runs made with other settings, naming them (rows recorded before a setting was kept
+    are not checked on it)."""
+    settings = run_settings(args)
+    changed = sorted({name for run in runs for name in RUN_SETTINGS if name in run and run[name] != settings[name]})
+    if changed:
+        was = {name: sorted({str(run[name]) for run in runs if name in run}) for name in changed}
+        raise SystemExit(f"{args.out}/runs.json was made with other settings: "
+                         + ", ".join(f"--{name.replace('_', '-')} {'/'.join(was[name])} (now {settings[name]})"
+                                     for name in changed))
+
+
 def model_key(row: dict) -> tuple:
     return tuple(row[k] for k in ("mixer", "hidden_size", "state_size", "seq_len", "kv_pairs"))
 
@@ -151,11 +175,7 @@ def run_job(job: dict, args) -> dict:
         shutil.rmtree(phase_out / CHECKPOINT_DIR, ignore_errors=True)  # thousands of small runs: metrics only
     return dict(job, layer_types=list(config.layer_types), accuracy=answer_accuracy(model, test_rows),
                 final_loss=last["loss"], state_bytes_per_sequence=state_bytes_per_sequence(model, seq_len),
-                parameters=sum(p.numel() for p in model.parameters()), steps=args.steps,
-                batch_size=args.batch_size, train_rows=args.train_rows, test_rows=args.test_rows,
-                pair_mix=args.pair_mix, warm_cell=args.warm_cell and ":".join(map(str, args.warm_cell)),
-                warm_steps=args.warm_steps, mamba2_norm=args.mamba2_norm,
-                train_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)
+                parameters=sum(p.numel() for p in model.parameters()), **run_settings(args), train_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)
 
 
 def _run_all(jobs: list[dict], args):
@@ -241,6 +261,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"{args.out}/results.json exists: pass --resume to continue that run, or another --out")
     args.out.mkdir(parents=True, exist_ok=True)
     runs = json.loads(results.read_text()) if args.resume and results.exists() else []
+    check_resumable(runs, args)
     done = {model_key(r) + (r["lr"],) for r in runs}
     jobs = [job for job in grid(args) if model_key(job) + (job["lr"],) not in done]
     print(f"{len(jobs)} training runs ({len(done)} already done)", flush=True)

@@ -181,6 +181,8 @@ def test_recipe_attention_learns_recall(tmp_path):
     with pytest.raises(SystemExit, match="--resume"):
         recipe.main(argv)  # nothing is overwritten without --resume
     assert recipe.main(argv + ["--resume"]) == rows  # every run is done: nothing trains again
+    with pytest.raises(SystemExit, match="--steps 600 .now 601.*--vocab-size 8192 .now 4096"):
+        recipe.main(argv + ["--resume", "--steps", "601", "--vocab-size", "4096"])  # another experiment
 
 
 def test_recipe_refuses_cells_that_do_not_fit(tmp_path):
