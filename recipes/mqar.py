@@ -3,6 +3,7 @@
     python recipes/mqar.py --quick --out runs/mqar-quick            # the reduced grid (see QUICK)
     python recipes/mqar.py --out runs/mqar --workers 2              # the full grid (see FULL)
     python recipes/mqar.py --out runs/mqar --mixers attention hybrid-1:3 --cells 256:32 --widths 128
+    python recipes/mqar.py --out runs/mqar --report                 # the table and plot of what has run
 
 Every (mixer, width, state size, cell) is trained at each learning rate of ``--lrs`` on fresh MQAR rows with the
 loop of :mod:`hybridlm.training` and scored on held-out rows; the best learning rate is kept, as Zoology does.
@@ -62,6 +63,9 @@ def parse_args(argv=None):
     add("--vocab-size", type=int, help="keys and values split it in half (FULL: 8192, as in Zoology)")
     add("--workers", type=int, default=1, help="training runs in parallel, one thread each (default: %(default)s)")
     add("--resume", action="store_true", help="keep the rows already in OUT/results.json and run the rest")
+    add("--report", action="store_true",
+        help="train nothing: the table, results.json and the plot of the runs in OUT/runs.json (runs.json files of "
+             "several OUTs can be joined into one for a single table)")
     add("--seed", type=int, default=0, help="(default: %(default)s)")
     args = parser.parse_args(argv)
     for name, value in (QUICK if args.quick else FULL).items():
@@ -115,16 +119,22 @@ def run_settings(args) -> dict:
     return settings
 
 
+def mixed_settings(runs: list[dict]) -> list[str]:
+    """The RUN_SETTINGS the runs do not all share (rows recorded before a setting was kept are not checked on
+    it)."""
+    return [name for name in RUN_SETTINGS if len({json.dumps(run[name]) for run in runs if name in run}) > 1]
+
+
+def _recorded(runs: list[dict], name: str) -> str:
+    return "/".join(sorted({str(run[name]) for run in runs if name in run}))
+
+
 def check_resumable(runs: list[dict], args) -> None:
-    """Refuse to resume runs made with other settings, naming them (rows recorded before a setting was kept
-    are not checked on it)."""
+    """Refuse to resume runs made with other settings, naming them."""
     settings = run_settings(args)
-    changed = sorted({name for run in runs for name in RUN_SETTINGS if name in run and run[name] != settings[name]})
-    if changed:
-        was = {name: sorted({str(run[name]) for run in runs if name in run}) for name in changed}
-        raise SystemExit(f"{args.out}/runs.json was made with other settings: "
-                         + ", ".join(f"--{name.replace('_', '-')} {'/'.join(was[name])} (now {settings[name]})"
-                                     for name in changed))
+    if changed := mixed_settings(runs + [settings]):
+        raise SystemExit(f"{args.out}/runs.json was made with other settings: " + ", ".join(
+            f"--{name.replace('_', '-')} {_recorded(runs, name)} (now {settings[name]})" for name in changed))
 
 
 def model_key(row: dict) -> tuple:
@@ -189,28 +199,34 @@ def _run_all(jobs: list[dict], args):
 
 
 def best_per_model(runs: list[dict]) -> list[dict]:
-    """One row per model and cell: the run of the learning rate with the best accuracy, with every lr's."""
+    """One row per model and cell: the run of the learning rate with the best accuracy, with every lr's accuracy
+    and the CPU seconds of them all."""
     best: dict[tuple, dict] = {}
     for run in runs:
         key = model_key(run)
         tried = {**best[key]["accuracy_by_lr"], str(run["lr"]): run["accuracy"]} if key in best else \
             {str(run["lr"]): run["accuracy"]}
+        cpu_s = best[key]["cpu_s_all_lrs"] + run["cpu_s"] if key in best else run["cpu_s"]
         if key not in best or run["accuracy"] > best[key]["accuracy"]:
             best[key] = dict(run)
-        best[key]["accuracy_by_lr"] = tried
+        best[key].update(accuracy_by_lr=tried, cpu_s_all_lrs=cpu_s)
     return list(best.values())
 
 
 def table(rows: list[dict]) -> str:
-    head = f"{'seq':>4} {'kv':>3} {'mixer':<14} {'layers':<7} {'width':>5} {'state':>5} {'state bytes':>11} " \
-           f"{'lr':>7} {'accuracy':>8}"
-    lines = [head, "-" * len(head)]
-    for r in sorted(rows, key=lambda r: (r["seq_len"], r["kv_pairs"], r["mixer"], r["hidden_size"],
-                                         r["state_size"] or 0)):
-        letters = MIXER_PATTERNS[r["mixer"]]
-        lines.append(f"{r['seq_len']:>4} {r['kv_pairs']:>3} {r['mixer']:<14} {letters:<7} {r['hidden_size']:>5} "
-                     f"{r['state_size'] or '-':>5} {r['state_bytes_per_sequence']:>11,} {r['lr']:>7.0e} "
-                     f"{r['accuracy']:>8.3f}")
+    """A Markdown table, one line per model and cell: its accuracy at every learning rate tried, and the best."""
+    lrs = sorted({float(lr) for r in rows for lr in r["accuracy_by_lr"]})
+    head = ["seq", "kv", "model", "layers", "width", "state", "state bytes / sequence", "parameters",
+            *(f"acc. lr {lr:g}" for lr in lrs), "best", "CPU s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in sorted(rows, key=lambda r: (r["seq_len"], r["kv_pairs"], list(MIXER_PATTERNS).index(r["mixer"]),
+                                         r["hidden_size"], r["state_size"] or 0)):
+        tried = {float(lr): accuracy for lr, accuracy in r["accuracy_by_lr"].items()}
+        cells = [r["seq_len"], r["kv_pairs"], r["mixer"], f"`{MIXER_PATTERNS[r['mixer']]}`", r["hidden_size"],
+                 r["state_size"] or "-", f"{r['state_bytes_per_sequence']:,}", f"{r['parameters']:,}",
+                 *(f"{tried[lr]:.3f}" if lr in tried else "—" for lr in lrs), f"**{r['accuracy']:.3f}**",
+                 f"{r['cpu_s_all_lrs']:.0f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
@@ -248,8 +264,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     return True
 
 
-def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
+def train_grid(args) -> list[dict]:
+    """Run the grid's jobs not yet in OUT/runs.json; every run, old and new."""
     from hybridlm.training.mqar import check_mqar_shape
 
     for seq_len, kv_pairs in args.cells:
@@ -272,6 +288,21 @@ def main(argv=None) -> list[dict]:
               f"({run['cpu_s']:.0f} cpu s)", flush=True)
         results.write_text(json.dumps(runs, indent=1))
         (args.out / "results.json").write_text(json.dumps(best_per_model(runs), indent=1))
+    return runs
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    if args.report:
+        if not (args.out / "runs.json").exists():
+            raise SystemExit(f"--report: {args.out}/runs.json does not exist")
+        runs = json.loads((args.out / "runs.json").read_text())
+        if mixed := mixed_settings(runs):  # runs.json files joined from several OUTs: one table, one experiment
+            raise SystemExit(f"--report: {args.out}/runs.json mixes settings: " + ", ".join(
+                f"--{name.replace('_', '-')} {_recorded(runs, name)}" for name in mixed))
+        (args.out / "results.json").write_text(json.dumps(best_per_model(runs), indent=1))
+    else:
+        runs = train_grid(args)
     rows = best_per_model(runs)
     print(table(rows))
     if plot(rows, args.out / "mqar.png"):

@@ -193,3 +193,34 @@ def test_recipe_refuses_cells_that_do_not_fit(tmp_path):
     with pytest.raises(SystemExit):
         _recipe().main(["--out", str(tmp_path), "--cells", "64:4", "--warm-cell", "64:4"])  # no --warm-steps
     assert not (tmp_path / "results.json").exists()
+
+
+def _run(mixer, lr, accuracy, **settings):
+    return dict(mixer=mixer, hidden_size=64, state_size=None if mixer == "attention" else 16, seq_len=64,
+                kv_pairs=16, lr=lr, accuracy=accuracy, cpu_s=100.0, state_bytes_per_sequence=1000, parameters=10,
+                steps=1500, mamba2_norm="none", **settings)
+
+
+def test_report_tables_the_best_learning_rate_of_each_model_without_training(tmp_path):
+    runs = [_run("attention", 3e-3, 0.9), _run("attention", 1e-2, 0.95), _run("mamba2", 3e-3, 0.25)]
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    rows = _recipe().main(["--out", str(tmp_path), "--report"])
+    assert json.loads((tmp_path / "results.json").read_text()) == rows
+    best = {row["mixer"]: row for row in rows}
+    assert best["attention"]["lr"] == 1e-2 and best["attention"]["accuracy"] == 0.95
+    assert best["attention"]["accuracy_by_lr"] == {"0.003": 0.9, "0.01": 0.95}
+    assert best["attention"]["cpu_s_all_lrs"] == 200.0 and best["mamba2"]["cpu_s_all_lrs"] == 100.0
+    lines = _recipe().table(rows).splitlines()
+    assert lines[0].split(" | ")[-4:] == ["acc. lr 0.003", "acc. lr 0.01", "best", "CPU s |"]
+    assert "| 0.900 | 0.950 | **0.950** | 200 |" in lines[2] and "| 0.250 | — | **0.250** | 100 |" in lines[3]
+
+
+def test_report_refuses_runs_of_different_settings_and_a_missing_file(tmp_path):
+    with pytest.raises(SystemExit, match="runs.json does not exist"):
+        _recipe().main(["--out", str(tmp_path), "--report"])
+    runs = [_run("attention", 3e-3, 0.9), _run("mamba2", 3e-3, 0.2, batch_size=16), _run("mamba2", 1e-2, 0.3)]
+    runs[2]["steps"] = 3000
+    (tmp_path / "runs.json").write_text(json.dumps(runs))
+    with pytest.raises(SystemExit, match="mixes settings: --steps 1500/3000$"):  # batch_size: one row has it
+        _recipe().main(["--out", str(tmp_path), "--report"])
+    assert not (tmp_path / "results.json").exists()
