@@ -188,6 +188,8 @@ class HybridModel(CacheConstruction, HybridPreTrainedModel):
         batch, time = hidden.shape[:2]
         if cache is None and use_cache:
             cache = self.new_cache(batch, policy=cache_policy)
+        elif cache is None and cache_policy is not None:  # it would shape no cache: a silent no-op
+            raise ValueError("cache_policy is given but no cache is used: pass use_cache=True or a cache")
         elif cache is not None and cache_policy is not None and cache_policy != cache.policy:
             raise ValueError(f"cache_policy={cache_policy} differs from the policy this cache was made with "
                              f"({cache.policy}); a policy cannot change during generation")

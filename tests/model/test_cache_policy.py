@@ -194,6 +194,12 @@ def test_group_size_must_divide_head_dim_and_policy_cannot_change():
     cache = model.new_cache(1, policy=CachePolicy(window=8))
     with torch.no_grad(), pytest.raises(ValueError, match="cannot change during generation"):
         model(random_ids(1, 2), cache=cache, cache_policy=CachePolicy(window=9))
+    for use_cache in (None, False):  # a policy with no cache to shape
+        with torch.no_grad(), pytest.raises(ValueError, match="cache_policy is given but no cache is used"):
+            model(random_ids(1, 2), use_cache=use_cache, cache_policy=CachePolicy(window=8))
+    with pytest.raises(ValueError, match="cache_policy is given but no cache is used"):
+        model.generate(random_ids(1, 2), max_new_tokens=2, do_sample=False, use_cache=False,
+                       cache_policy=CachePolicy(window=8))
     with pytest.raises(ValueError, match="layers in"):
         model.new_cache(1, policy={7: CachePolicy(window=8)})
 
