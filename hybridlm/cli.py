@@ -1,5 +1,5 @@
 """The ``hybridlm`` command: its parser and entry point, and the subcommands that run and convert checkpoints
-(``generate``, ``convert``, ``train``); those that try, inspect and measure are in :mod:`hybridlm.cli_inspect`.
+(``generate``, ``convert``, ``train``, ``finetune``); those that try, inspect and measure are in :mod:`hybridlm.cli_inspect`.
 
 Each subcommand is one function registered in :data:`~hybridlm.cli_common.COMMANDS` with
 :func:`~hybridlm.cli_common.command`; it imports what it needs when it runs, so ``hybridlm --help`` and argument
@@ -19,6 +19,7 @@ from . import cli_inspect  # noqa: F401  (registers demo, info, build-kernels, b
 from .cli_common import (
     COMMANDS,
     KV_BITS,
+    add_options,
     command,
     non_negative_float,
     non_negative_int,
@@ -29,6 +30,8 @@ from .cli_common import (
     run_reporting_bad_input,
     token_ids,
 )
+from .training.finetune import OPTIONS as FINETUNE_OPTIONS  # argparse settings only: these load no torch
+from .training.pretrain import OPTIONS as PRETRAIN_OPTIONS
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -53,9 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
         sub = commands.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter)
-        for flags, settings in cmd.options:
-            sub.add_argument(*flags, **settings)
-        sub.set_defaults(run=cmd.run)
+        add_options(sub, cmd.options).set_defaults(run=cmd.run)
     return parser
 
 
@@ -155,16 +156,18 @@ def run_convert(args) -> None:
     print(f"wrote {args.dst} ({args.to})")
 
 
-def _train_options():
-    from .training.pretrain import OPTIONS  # argparse settings only: no torch
-
-    return OPTIONS
-
-
 @command("train", "Pretrain a model (default: a 1:3 hybrid on the Python standard library); docs/training.md.",
-         *_train_options())
+         *PRETRAIN_OPTIONS)
 def run_train(args) -> None:
     from .training.pretrain import run
+
+    run(args)
+
+
+@command("finetune", "Fine-tune a checkpoint (full or LoRA) on JSONL prompt/response or chat examples; "
+         "docs/training.md.", *FINETUNE_OPTIONS)
+def run_finetune(args) -> None:
+    from .training.finetune import run
 
     run(args)
 

@@ -35,6 +35,13 @@ def option(*flags: str, **settings) -> Option:
     return flags, settings
 
 
+def add_options(parser: argparse.ArgumentParser, options) -> argparse.ArgumentParser:
+    """``parser`` with every :func:`option` of ``options`` added."""
+    for flags, settings in options:
+        parser.add_argument(*flags, **settings)
+    return parser
+
+
 def run_reporting_bad_input(prog: str, run: Callable, *args):
     """``run(*args)``; bad input (ValueError, TypeError, OSError) ends the program with one line ``prog: message``
     on stderr and exit status 2, not a traceback (``hybridlm`` and the training recipes)."""

@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from ..cli_common import add_options, option
 from .config import PRECISIONS, TrainConfig
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -119,35 +120,37 @@ def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pad
     return PackedRows(torch.tensor(columns[0]), torch.tensor(columns[1]), torch.tensor(columns[2]))
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    defaults = TrainConfig(lr=1e-4, warmup=10, steps=200, batch_size=8, eval_every=50, save_every=100)
-    add = parser.add_argument
-    add("--model", required=True,
-        help="a checkpoint directory in any format hybridlm loads (or a preset name, for a quick test)")
-    add("--data", required=True,
-        help=f"training examples: a JSONL file, or a built-in task ({', '.join(BUILTIN_TASKS)})")
-    add("--eval-data", default=None,
-        help="evaluation examples (JSONL; default: the task's held-out part, or every 10th --data example)")
-    add("--tokenizer", default=None, help="a tokenizer directory (default: the --model directory)")
-    add("--lora", type=int, default=0, help="LoRA rank; 0: full fine-tuning (default: %(default)s)")
-    add("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default: 2 x rank)")
-    add("--merge", action="store_true", help="with --lora: merge the adapters and save the whole model")
-    add("--format", default=None,
-        help="format of the saved model: hybridlm or a foreign model_type (default: the format of --model)")
-    add("--seq-len", type=int, default=512, help="tokens per packed row (default: %(default)s)")
-    add("--batch-size", type=int, default=defaults.batch_size, help="rows per optimizer step (default: %(default)s)")
-    add("--grad-accum", type=int, default=defaults.grad_accum, help="micro-batches per step (default: %(default)s)")
-    add("--steps", type=int, default=defaults.steps, help="optimizer steps (default: %(default)s)")
-    add("--lr", type=float, default=defaults.lr, help="peak learning rate (default: %(default)s)")
-    add("--warmup", type=int, default=defaults.warmup, help="linear warmup steps (default: %(default)s)")
-    add("--precision", choices=PRECISIONS, default=defaults.precision, help="(default: %(default)s)")
-    add("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)")
-    add("--eval-every", type=int, default=defaults.eval_every, help="steps between evaluations (default: %(default)s)")
-    add("--save-every", type=int, default=defaults.save_every, help="steps between checkpoints (default: %(default)s)")
-    add("--log-every", type=int, default=defaults.log_every, help="steps between metrics rows (default: %(default)s)")
-    add("--out", type=Path, required=True, help="output directory (model or adapter, tokenizer, metrics)")
-    add("--seed", type=int, default=defaults.seed, help="(default: %(default)s)")
-    return parser
+_DEFAULTS = TrainConfig(lr=1e-4, warmup=10, steps=200, batch_size=8, eval_every=50, save_every=100)
+
+
+#: The options of ``hybridlm finetune`` and ``recipes/finetune.py``, as ``(flags, add_argument settings)``.
+OPTIONS = [
+    option("--model", required=True,
+            help="a checkpoint directory in any format hybridlm loads (or a preset name, for a quick test)"),
+    option("--data", required=True,
+            help=f"training examples: a JSONL file, or a built-in task ({', '.join(BUILTIN_TASKS)})"),
+    option("--eval-data", default=None,
+            help="evaluation examples (JSONL; without it: the task's held-out part, or every 10th --data example)"),
+    option("--tokenizer", default=None, help="a tokenizer directory (without it: the --model directory)"),
+    option("--lora", type=int, default=0, help="LoRA rank; 0: full fine-tuning"),
+    option("--lora-alpha", type=float, default=None, help="LoRA scale numerator (without it: 2 x rank)"),
+    option("--merge", action="store_true", help="with --lora: merge the adapters and save the whole model"),
+    option("--format", default=None,
+            help="format of the saved model: hybridlm or a foreign model_type (without it: the format of --model)"),
+    option("--seq-len", type=int, default=512, help="tokens per packed row"),
+    option("--batch-size", type=int, default=_DEFAULTS.batch_size, help="rows per optimizer step"),
+    option("--grad-accum", type=int, default=_DEFAULTS.grad_accum, help="micro-batches per step"),
+    option("--steps", type=int, default=_DEFAULTS.steps, help="optimizer steps"),
+    option("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate"),
+    option("--warmup", type=int, default=_DEFAULTS.warmup, help="linear warmup steps"),
+    option("--precision", choices=PRECISIONS, default=_DEFAULTS.precision, help="training precision"),
+    option("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)"),
+    option("--eval-every", type=int, default=_DEFAULTS.eval_every, help="steps between evaluations"),
+    option("--save-every", type=int, default=_DEFAULTS.save_every, help="steps between checkpoints"),
+    option("--log-every", type=int, default=_DEFAULTS.log_every, help="steps between metrics rows"),
+    option("--out", type=Path, required=True, help="output directory (model or adapter, tokenizer, metrics)"),
+    option("--seed", type=int, default=_DEFAULTS.seed, help="random seed"),
+]
 
 
 def _examples(args) -> tuple[list[dict], list[dict]]:
@@ -253,8 +256,8 @@ def _save(model, tokenizer, args, fmt: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return run(add_arguments(parser).parse_args(argv))
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    return run(add_options(parser, OPTIONS).parse_args(argv))
 
 
 if __name__ == "__main__":

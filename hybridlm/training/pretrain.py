@@ -12,58 +12,49 @@ import argparse
 import json
 from pathlib import Path
 
+from ..cli_common import add_options, option
 from .config import LAYOUTS, PRECISIONS, TrainConfig
 
 _DEFAULTS = TrainConfig()
 
 
-def _option(*flags: str, **settings) -> tuple[tuple[str, ...], dict]:
-    return flags, settings
-
-
 #: The options of ``hybridlm train`` and ``recipes/pretrain.py``, as ``(flags, add_argument settings)``.
 OPTIONS = [
-    _option("--model", default="hybrid-tiny",
+    option("--model", default="hybrid-tiny",
             help="a preset name, a HybridConfig JSON file, or a checkpoint directory in any format hybridlm loads"),
-    _option("--data", nargs="+", default=None,
+    option("--data", nargs="+", default=None,
             help="training text: files, directories or globs (without it: the Python standard library's "
                  "sources, with hybridlm.training.HELD_OUT_STDLIB held out)"),
-    _option("--eval-data", nargs="+", default=None,
+    option("--eval-data", nargs="+", default=None,
             help="held-out text (without it: the standard library's held-out files, or every 50th --data file)"),
-    _option("--tokenizer", default=None,
+    option("--tokenizer", default=None,
             help="a tokenizer directory to reuse (without it: a checkpoint --model's own, else a byte-level BPE "
                  "trained on the training text)"),
-    _option("--vocab-size", type=int, default=4096, help="vocabulary of a newly trained BPE"),
-    _option("--seq-len", type=int, default=512, help="tokens per training row"),
-    _option("--batch-size", type=int, default=_DEFAULTS.batch_size,
+    option("--vocab-size", type=int, default=4096, help="vocabulary of a newly trained BPE"),
+    option("--seq-len", type=int, default=512, help="tokens per training row"),
+    option("--batch-size", type=int, default=_DEFAULTS.batch_size,
             help="global batch: rows per optimizer step, over all ranks and accumulation steps"),
-    _option("--grad-accum", type=int, default=_DEFAULTS.grad_accum, help="micro-batches per optimizer step"),
-    _option("--steps", type=int, default=_DEFAULTS.steps, help="optimizer steps"),
-    _option("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate"),
-    _option("--warmup", type=int, default=_DEFAULTS.warmup, help="linear warmup steps"),
-    _option("--weight-decay", type=float, default=_DEFAULTS.weight_decay, help="AdamW weight decay"),
-    _option("--precision", choices=PRECISIONS, default=_DEFAULTS.precision, help="fp32, or bf16 autocast"),
-    _option("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)"),
-    _option("--layout", choices=LAYOUTS, default=_DEFAULTS.layout,
+    option("--grad-accum", type=int, default=_DEFAULTS.grad_accum, help="micro-batches per optimizer step"),
+    option("--steps", type=int, default=_DEFAULTS.steps, help="optimizer steps"),
+    option("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate"),
+    option("--warmup", type=int, default=_DEFAULTS.warmup, help="linear warmup steps"),
+    option("--weight-decay", type=float, default=_DEFAULTS.weight_decay, help="AdamW weight decay"),
+    option("--precision", choices=PRECISIONS, default=_DEFAULTS.precision, help="fp32, or bf16 autocast"),
+    option("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)"),
+    option("--layout", choices=LAYOUTS, default=_DEFAULTS.layout,
             help="documents: packed, positions restart per document; stream: GPT-style rows"),
-    _option("--eval-every", type=int, default=_DEFAULTS.eval_every, help="steps between evaluations"),
-    _option("--eval-rows", type=int, default=_DEFAULTS.eval_rows,
+    option("--eval-every", type=int, default=_DEFAULTS.eval_every, help="steps between evaluations"),
+    option("--eval-rows", type=int, default=_DEFAULTS.eval_rows,
             help="held-out rows per periodic evaluation; the final one uses all"),
-    _option("--save-every", type=int, default=_DEFAULTS.save_every, help="steps between checkpoints"),
-    _option("--log-every", type=int, default=_DEFAULTS.log_every, help="steps between metrics rows"),
-    _option("--out", type=Path, required=True, help="output directory (checkpoint, metrics.jsonl, loss.png, model)"),
-    _option("--resume", action="store_true", help="continue the run in --out exactly where its checkpoint stopped"),
-    _option("--seed", type=int, default=_DEFAULTS.seed, help="seed of the initialisation and the data order"),
-    _option("--parallel", choices=("none", "ddp", "fsdp"), default="none", help="data parallelism under torchrun"),
-    _option("--threads", type=int, default=None, help="torch CPU threads (without it: torch's choice)"),
-    _option("--sample", default="def ", help="prompt of the sample printed at the end ('' for none)"),
+    option("--save-every", type=int, default=_DEFAULTS.save_every, help="steps between checkpoints"),
+    option("--log-every", type=int, default=_DEFAULTS.log_every, help="steps between metrics rows"),
+    option("--out", type=Path, required=True, help="output directory (checkpoint, metrics.jsonl, loss.png, model)"),
+    option("--resume", action="store_true", help="continue the run in --out exactly where its checkpoint stopped"),
+    option("--seed", type=int, default=_DEFAULTS.seed, help="seed of the initialisation and the data order"),
+    option("--parallel", choices=("none", "ddp", "fsdp"), default="none", help="data parallelism under torchrun"),
+    option("--threads", type=int, default=None, help="torch CPU threads (without it: torch's choice)"),
+    option("--sample", default="def ", help="prompt of the sample printed at the end ('' for none)"),
 ]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    for flags, settings in OPTIONS:
-        parser.add_argument(*flags, **settings)
-    return parser
 
 
 def _train_config(args) -> TrainConfig:
@@ -240,7 +231,7 @@ def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    return run(add_arguments(parser).parse_args(argv))
+    return run(add_options(parser, OPTIONS).parse_args(argv))
 
 
 if __name__ == "__main__":

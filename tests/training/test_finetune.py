@@ -313,3 +313,21 @@ def test_bad_fine_tuning_options_fail_before_training(tokenizer, tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no tokenizer"):
         main(["--model", str(untokenized)] + _common(tmp_path, data))
     assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_the_hybridlm_finetune_command_is_the_recipe(tokenizer, tmp_path, capsys):
+    from hybridlm import cli
+
+    config, tokenizer_dir = _config_and_tokenizer(tmp_path, tokenizer, "SA")
+    argv = ["--model", str(config), "--tokenizer", str(tokenizer_dir), "--seed", "5", "--lora", "2"] \
+        + _common(tmp_path, _write_jsonl(tmp_path / "d.jsonl", PAIRS), steps=2)
+    cli.main(["finetune"] + argv)
+    from_the_command = json.loads((tmp_path / "out" / "finetune.json").read_text())
+    (tmp_path / "out").rename(tmp_path / "out-command")
+    assert from_the_command == main(argv)  # same options, same seed: the same run
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["finetune", "--model", str(tmp_path / "missing"), "--data", "docstrings", "--out",
+                  str(tmp_path / "out2")])
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert stopped.value.code == 2 and last.startswith("hybridlm finetune: ") and "missing" in last
