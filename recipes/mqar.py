@@ -185,7 +185,8 @@ def run_job(job: dict, args) -> dict:
         shutil.rmtree(phase_out / CHECKPOINT_DIR, ignore_errors=True)  # thousands of small runs: metrics only
     return dict(job, layer_types=list(config.layer_types), accuracy=answer_accuracy(model, test_rows),
                 final_loss=last["loss"], state_bytes_per_sequence=state_bytes_per_sequence(model, seq_len),
-                parameters=sum(p.numel() for p in model.parameters()), **run_settings(args), train_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)
+                parameters=sum(p.numel() for p in model.parameters()), **run_settings(args),
+                train_s=time.perf_counter() - started, cpu_s=time.process_time() - cpu)
 
 
 def _run_all(jobs: list[dict], args):

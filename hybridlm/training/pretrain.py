@@ -21,19 +21,19 @@ _DEFAULTS = TrainConfig()
 #: The options of ``hybridlm train`` and ``recipes/pretrain.py``, as ``(flags, add_argument settings)``.
 OPTIONS = [
     option("--model", default="hybrid-tiny",
-            help="a preset name, a HybridConfig JSON file, or a checkpoint directory in any format hybridlm loads"),
+           help="a preset name, a HybridConfig JSON file, or a checkpoint directory in any format hybridlm loads"),
     option("--data", nargs="+", default=None,
-            help="training text: files, directories or globs (without it: the Python standard library's "
-                 "sources, with hybridlm.training.HELD_OUT_STDLIB held out)"),
+           help="training text: files, directories or globs (without it: the Python standard library's "
+                "sources, with hybridlm.training.HELD_OUT_STDLIB held out)"),
     option("--eval-data", nargs="+", default=None,
-            help="held-out text (without it: the standard library's held-out files, or every 50th --data file)"),
+           help="held-out text (without it: the standard library's held-out files, or every 50th --data file)"),
     option("--tokenizer", default=None,
-            help="a tokenizer directory to reuse (without it: a checkpoint --model's own, else a byte-level BPE "
-                 "trained on the training text)"),
+           help="a tokenizer directory to reuse (without it: a checkpoint --model's own, else a byte-level BPE "
+                "trained on the training text)"),
     option("--vocab-size", type=int, default=4096, help="vocabulary of a newly trained BPE"),
     option("--seq-len", type=int, default=512, help="tokens per training row"),
     option("--batch-size", type=int, default=_DEFAULTS.batch_size,
-            help="global batch: rows per optimizer step, over all ranks and accumulation steps"),
+           help="global batch: rows per optimizer step, over all ranks and accumulation steps"),
     option("--grad-accum", type=int, default=_DEFAULTS.grad_accum, help="micro-batches per optimizer step"),
     option("--steps", type=int, default=_DEFAULTS.steps, help="optimizer steps"),
     option("--lr", type=float, default=_DEFAULTS.lr, help="peak learning rate"),
@@ -42,10 +42,10 @@ OPTIONS = [
     option("--precision", choices=PRECISIONS, default=_DEFAULTS.precision, help="fp32, or bf16 autocast"),
     option("--checkpointing", action="store_true", help="activation checkpointing (recompute in backward)"),
     option("--layout", choices=LAYOUTS, default=_DEFAULTS.layout,
-            help="documents: packed, positions restart per document; stream: GPT-style rows"),
+           help="documents: packed, positions restart per document; stream: GPT-style rows"),
     option("--eval-every", type=int, default=_DEFAULTS.eval_every, help="steps between evaluations"),
     option("--eval-rows", type=int, default=_DEFAULTS.eval_rows,
-            help="held-out rows per periodic evaluation; the final one uses all"),
+           help="held-out rows per periodic evaluation; the final one uses all"),
     option("--save-every", type=int, default=_DEFAULTS.save_every, help="steps between checkpoints"),
     option("--log-every", type=int, default=_DEFAULTS.log_every, help="steps between metrics rows"),
     option("--out", type=Path, required=True, help="output directory (checkpoint, metrics.jsonl, loss.png, model)"),
