@@ -53,7 +53,7 @@ def evaluate(model, rows: PackedRows, layout: str, limit: int | None = None, bat
     return total / max(targets, 1)
 
 
-def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows: PackedRows | None = None,
+def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval_rows: PackedRows | None = None,
           tokens_per_byte: float | None = None, resume: bool = False, parallel=None,
           losses=token_losses) -> dict:
     """Train ``model`` on ``rows``; checkpoints and metrics go to ``out``. Returns the last logged metrics.
@@ -68,6 +68,7 @@ def train(model, rows: PackedRows, config: TrainConfig, out: Path, *, eval_rows:
     parallel = parallel or SingleProcess()
     micro = config.batch_size // config.grad_accum
     parallel.check_batch(micro)  # before anything is written
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     if config.checkpointing:

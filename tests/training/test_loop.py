@@ -45,8 +45,8 @@ def test_schedule_is_warmup_then_cosine():
 
 def test_logged_learning_rate_follows_the_schedule(tmp_path):
     config = TrainConfig(steps=8, batch_size=2, lr=1e-2, warmup=3, log_every=1, eval_every=100, save_every=100)
-    train(tiny_model(layer_pattern="SA").train(), tiny_rows(), config, tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train(tiny_model(layer_pattern="SA").train(), tiny_rows(), config, str(tmp_path / "run"))  # a str is a path
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     # a row logged after step s shows the rate of the next step
     logged = [row["lr"] for row in rows if "lr" in row]
     assert logged == pytest.approx([1e-2 * expected_multiplier(s, 3, 8, 0.1) for s in range(1, 9)], rel=1e-9)
