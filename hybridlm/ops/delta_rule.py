@@ -25,6 +25,9 @@ from einops import rearrange
 
 from .ssd import packed_sequences
 
+# The channel-wise gate's decay tensor [..., L, L, dim_k] is dim_k times the scalar gate's (268 MB per layer at 2048
+# tokens, 8 heads of 64 keys, chunk 64): it is formed a slice of chunks at a time, each at most this many elements.
+_DECAY_ELEMENTS = 1 << 22
 
 def _check(q, k, v, log_gate, beta, initial_state) -> None:
     batch, time, heads, dim_v = v.shape
@@ -55,8 +58,15 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagona
     if G.dim() == a.dim() - 1:  # scalar gate: [..., L, L]
         decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~keep, -torch.inf).exp()
         return (a @ b.transpose(-1, -2)) * decay
-    diff = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(~keep[..., None], -torch.inf)  # [..., L, L, dim_k]
-    return torch.einsum("...id,...jd,...ijd->...ij", a, b, diff.exp())
+    lead, dim_k = a.shape[:-2], a.shape[-1]
+    a, b, G = (t.reshape(-1, n, dim_k) for t in (a, b, G))  # [z, L, dim_k]
+    step = max(1, _DECAY_ELEMENTS // (n * n * dim_k))
+    parts = []
+    for start in range(0, a.shape[0], step):
+        part = slice(start, start + step)
+        diff = (G[part, :, None] - G[part, None]).masked_fill(~keep[..., None], -torch.inf)  # [z', L, L, dim_k]
+        parts.append(torch.einsum("zid,zjd,zijd->zij", a[part], b[part], diff.exp()))
+    return torch.cat(parts).view(*lead, n, n)
 
 
 def _scale_rows(S: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

@@ -72,6 +72,27 @@ def test_gradients_match_recurrence(channelwise):
         assert_close_rel(got.grad, expected.grad, rel=1e-9)
 
 
+def test_channelwise_decay_formed_a_slice_of_chunks_at_a_time(monkeypatch):
+    """The [..., L, L, dim_k] decay tensor in slices of 2 (batch, head, chunk) triples, the last one short: the
+    same outputs, state and gradients as the recurrence."""
+    from hybridlm.ops import delta_rule
+
+    chunk, dim_k = 4, 4
+    monkeypatch.setattr(delta_rule, "_DECAY_ELEMENTS", 2 * chunk * chunk * dim_k + 1)
+    inputs = random_inputs(1, 11, 3, 1, dim_k, 5, channelwise=True, seed=9)  # 3 heads x 3 chunks: slices 2,2,2,2,1
+    ours = [t.clone().requires_grad_() for t in inputs]
+    twins = [t.clone().requires_grad_() for t in inputs]
+    o, S = gated_delta_rule_ref(*ours[:5], initial_state=ours[5], chunk_size=chunk)
+    o2, S2 = naive_delta_rule(*twins[:5], dim_k**-0.5, twins[5])
+    assert_close_rel(o, o2, rel=1e-10)
+    assert_close_rel(S, S2, rel=1e-10)
+    (o.square().sum() + S.sum()).backward()
+    (o2.square().sum() + S2.sum()).backward()
+    for got, expected in zip(ours, twins):
+        assert expected.grad.abs().max() > 0
+        assert_close_rel(got.grad, expected.grad, rel=1e-9)
+
+
 def test_float32_and_defaults():
     """fp32 inputs run in fp32 and agree with the float64 result; no gate means no decay; scale defaults to
     dim_k ** -0.5; a state given to a sequence split in two equals the whole sequence."""
