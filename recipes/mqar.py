@@ -244,13 +244,15 @@ def plot(rows: list[dict], path: Path) -> bool:
     cells = sorted({(r["seq_len"], r["kv_pairs"]) for r in rows})
     mixers = [m for m in MIXER_PATTERNS if any(r["mixer"] == m for r in rows)]
     colours = dict(zip(mixers, plt.get_cmap("tab10").colors))
-    fig, axes = plt.subplots(1, len(cells), figsize=(max(5, 4 * len(cells)), 3.6), squeeze=False, sharey=True)
+    markers = dict(zip(mixers, "osD^vPX*h"))  # points of equal accuracy and bytes stay told apart
+    fig, axes = plt.subplots(1, len(cells), figsize=(max(5, 4 * len(cells)) + 1.4, 3.6), squeeze=False, sharey=True)
     for ax, (seq_len, kv_pairs) in zip(axes[0], cells):
-        for mixer in mixers:
+        for mixer in reversed(mixers):  # attention, listed first, drawn on top
             points = sorted((r["state_bytes_per_sequence"], r["accuracy"]) for r in rows
                             if r["mixer"] == mixer and (r["seq_len"], r["kv_pairs"]) == (seq_len, kv_pairs))
             if points:
-                ax.plot(*zip(*points), "o", color=colours[mixer], label=mixer, alpha=0.8)
+                ax.plot(*zip(*points), markers[mixer], color=colours[mixer], label=mixer, alpha=0.75,
+                        markerfacecolor="none" if markers[mixer] in "sD" else colours[mixer])
         ax.set_xscale("log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decades only: no overlapping labels
         ax.set_title(f"seq_len {seq_len}, {kv_pairs} key-value pairs")
@@ -258,8 +260,10 @@ def plot(rows: list[dict], path: Path) -> bool:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("MQAR accuracy")
     axes[0][0].set_ylim(-0.02, 1.02)
-    axes[0][-1].legend(fontsize=8, loc="center right")  # the points gather near 0 and 1
-    fig.tight_layout()
+    handles = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    shown = [mixer for mixer in mixers if mixer in handles]  # every mixer of every panel, in MIXER_PATTERNS order
+    fig.legend([handles[mixer] for mixer in shown], shown, fontsize=8, loc="center right")
+    fig.tight_layout(rect=(0, 0, 1 - 1.4 / fig.get_figwidth(), 1))  # room on the right for the legend
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return True
