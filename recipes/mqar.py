@@ -53,6 +53,10 @@ def parse_args(argv=None):
         help="train each cell on an even mix of this many pair counts halving down from its own (4 at (256, 32): "
              "32, 16, 8, 4), as Zoology trains on a mix of cells; held-out rows are the cell's own "
              "(default: %(default)s, the cell alone)")
+    add("--max-shift", type=int, default=0,
+        help="move each row's pairs and queries right by a random 0..N tokens (random filler before and after, the "
+             "row length stays the cell's): the pairs then sit at no fixed position, which a model that "
+             "compresses by position (causal Linformer) otherwise exploits (default: %(default)s, Zoology's layout)")
     add("--warm-cell", help="SEQ_LEN:KV_PAIRS: train every model on this (easier) cell for --warm-steps first, "
         "then on its own cell: a curriculum, as Zoology trains on a mix of easy and hard cells")
     add("--warm-steps", type=int, default=0, help="steps on --warm-cell (default: %(default)s, no warm-up cell)")
@@ -80,6 +84,8 @@ def parse_args(argv=None):
     for name in ("steps", "batch_size", "train_rows", "test_rows", "workers", "pair_mix"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_shift < 0:
+        parser.error("--max-shift must be >= 0")
     if args.train_rows < args.batch_size:
         parser.error(f"--train-rows {args.train_rows} is smaller than one batch (--batch-size {args.batch_size})")
     return args
@@ -108,8 +114,8 @@ def grid(args) -> list[dict]:
 
 
 # What every run kept in one OUT shares: resuming with another value would put two experiments in one table.
-RUN_SETTINGS = ("steps", "batch_size", "train_rows", "test_rows", "pair_mix", "warm_cell", "warm_steps",
-                "mamba2_norm", "vocab_size", "seed")
+RUN_SETTINGS = ("steps", "batch_size", "train_rows", "test_rows", "pair_mix", "max_shift", "warm_cell",
+                "warm_steps", "mamba2_norm", "vocab_size", "seed")
 
 
 def run_settings(args) -> dict:
@@ -141,15 +147,36 @@ def model_key(row: dict) -> tuple:
     return tuple(row[k] for k in ("mixer", "hidden_size", "state_size", "seq_len", "kv_pairs"))
 
 
+def rows_of_cell(num_rows: int, seq_len: int, kv_pairs: int, vocab_size: int, max_shift: int, seed: int,
+                 pair_mix: int = 1):
+    """``num_rows`` rows of a cell; with ``max_shift``, rows that much shorter, then shifted into the cell's
+    length."""
+    from hybridlm.training.mqar import mixed_mqar_rows, mqar_rows, pair_ladder, shift_rows
+
+    inner = seq_len - max_shift
+    rows = mqar_rows(num_rows, inner, kv_pairs, vocab_size, seed=seed) if pair_mix == 1 else \
+        mixed_mqar_rows(num_rows, inner, pair_ladder(kv_pairs, pair_mix), vocab_size, seed=seed)
+    return shift_rows(rows, max_shift, vocab_size, seed=seed + 7919) if max_shift else rows
+
+
 @functools.lru_cache(maxsize=1)
 def cell_rows(seq_len: int, kv_pairs: int, vocab_size: int, train_rows: int, test_rows: int, seed: int,
-              pair_mix: int = 1):
+              pair_mix: int = 1, max_shift: int = 0):
     """The training and held-out rows of a cell (the jobs of a cell come one after another: made once)."""
-    from hybridlm.training.mqar import mixed_mqar_rows, mqar_rows, pair_ladder
+    return (rows_of_cell(train_rows, seq_len, kv_pairs, vocab_size, max_shift, seed * 2 + 1, pair_mix),
+            rows_of_cell(test_rows, seq_len, kv_pairs, vocab_size, max_shift, seed * 2 + 2))
 
-    train = mqar_rows(train_rows, seq_len, kv_pairs, vocab_size, seed=seed * 2 + 1) if pair_mix == 1 else \
-        mixed_mqar_rows(train_rows, seq_len, pair_ladder(kv_pairs, pair_mix), vocab_size, seed=seed * 2 + 1)
-    return train, mqar_rows(test_rows, seq_len, kv_pairs, vocab_size, seed=seed * 2 + 2)
+
+def check_cell(args, seq_len: int, kv_pairs: int) -> None:
+    """Refuse a cell whose pairs do not fit (with ``--max-shift``, in the row less the shift), naming it."""
+    from hybridlm.training.mqar import check_mqar_shape
+
+    try:
+        check_mqar_shape(args.vocab_size, seq_len - args.max_shift, kv_pairs)
+    except ValueError as error:
+        if not args.max_shift:
+            raise
+        raise ValueError(f"the cell {seq_len}:{kv_pairs} less --max-shift {args.max_shift}: {error}") from None
 
 
 def run_job(job: dict, args) -> dict:
@@ -159,12 +186,12 @@ def run_job(job: dict, args) -> dict:
     from hybridlm import HybridForCausalLM
     from hybridlm.training import TrainConfig, train
     from hybridlm.training.checkpoint import CHECKPOINT_DIR
-    from hybridlm.training.mqar import answer_accuracy, answer_losses, mqar_config, mqar_rows, state_bytes_per_sequence
+    from hybridlm.training.mqar import answer_accuracy, answer_losses, mqar_config, state_bytes_per_sequence
 
     torch.set_num_threads(1)
     seq_len, kv_pairs = job["seq_len"], job["kv_pairs"]
     train_rows, test_rows = cell_rows(seq_len, kv_pairs, args.vocab_size, args.train_rows, args.test_rows,
-                                      args.seed, args.pair_mix)
+                                      args.seed, args.pair_mix, args.max_shift)
     config = mqar_config(job["mixer"], job["hidden_size"], job["state_size"], seq_len, args.vocab_size,
                          mamba2_norm=args.mamba2_norm)
     torch.manual_seed(args.seed)
@@ -174,8 +201,8 @@ def run_job(job: dict, args) -> dict:
     started, cpu = time.perf_counter(), time.process_time()
     phases = [(train_rows, args.steps, out)]
     if args.warm_cell:
-        warm_rows = mqar_rows(args.warm_steps * args.batch_size, *args.warm_cell, args.vocab_size,
-                              seed=args.seed * 2 + 3)
+        warm_rows = rows_of_cell(args.warm_steps * args.batch_size, *args.warm_cell, args.vocab_size,
+                                 args.max_shift, args.seed * 2 + 3)
         phases.insert(0, (warm_rows, args.warm_steps, out / "warm"))
     for rows, steps, phase_out in phases:
         last = train(model, rows, TrainConfig(steps=steps, batch_size=args.batch_size, lr=job["lr"],
@@ -271,12 +298,10 @@ def plot(rows: list[dict], path: Path) -> bool:
 
 def train_grid(args) -> list[dict]:
     """Run the grid's jobs not yet in OUT/runs.json; every run, old and new."""
-    from hybridlm.training.mqar import check_mqar_shape
-
     for seq_len, kv_pairs in args.cells:
-        check_mqar_shape(args.vocab_size, seq_len, kv_pairs)  # bad input fails before any training
+        check_cell(args, seq_len, kv_pairs)  # bad input fails before any training
     if args.warm_cell:
-        check_mqar_shape(args.vocab_size, *args.warm_cell)
+        check_cell(args, *args.warm_cell)
     results = args.out / "runs.json"
     if (args.out / "results.json").exists() and not args.resume:
         raise SystemExit(f"{args.out}/results.json exists: pass --resume to continue that run, or another --out")

@@ -109,6 +109,22 @@ def mqar_rows(num_rows: int, seq_len: int, kv_pairs: int, vocab_size: int = 8192
     return MQARRows(ids, labels)
 
 
+def shift_rows(rows: MQARRows, max_shift: int, vocab_size: int = 8192, *, seed: int = 0) -> MQARRows:
+    """Each row moved right by its own random offset in ``[0, max_shift]``, inside a row ``max_shift`` tokens
+    longer with random filler before and after: the pairs no longer sit at the same positions in every row. (A
+    model that compresses by position, as causal Linformer does, can recall fixed pairs by their slots; shifted,
+    it has to find them by content: docs/mqar.md.)"""
+    if not isinstance(max_shift, int) or isinstance(max_shift, bool) or max_shift < 0:
+        raise ValueError(f"max_shift must be a non-negative integer, got {max_shift!r}")
+    num_rows, length = rows.ids.shape
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(vocab_size, (num_rows, length + max_shift), generator=generator)  # filler
+    labels = torch.full_like(ids, IGNORE)
+    shift = torch.randint(0, max_shift + 1, (num_rows, 1), generator=generator)
+    where = shift + torch.arange(length)  # [rows, length]: where each token of a row goes
+    return MQARRows(ids.scatter_(1, where, rows.ids), labels.scatter_(1, where, rows.labels))
+
+
 def pair_ladder(kv_pairs: int, rungs: int) -> list[int]:
     """``rungs`` pair counts halving down from ``kv_pairs`` (each at least 1, repeats dropped): the pair counts
     of a mixed training set. Zoology trains on a mix of easy and hard cells; the easy rows teach the lookup

@@ -36,6 +36,24 @@ def test_rows_hold_pairs_then_each_key_queried_once_with_its_value():
         assert sorted(queried) == sorted(keys)
 
 
+def test_shifted_rows_hold_each_row_whole_at_its_own_offset():
+    rows = mqar.mqar_rows(300, 32, 4, 64, seed=1)
+    shifted = mqar.shift_rows(rows, 5, 64, seed=2)
+    assert shifted.ids.shape == shifted.labels.shape == (300, 37)
+    offsets = []
+    for inner, inner_labels, ids, labels in zip(rows.ids, rows.labels, shifted.ids, shifted.labels):
+        answers = (labels != mqar.IGNORE).nonzero().flatten()
+        offset = int(answers[0]) - int((inner_labels != mqar.IGNORE).nonzero()[0])
+        assert 0 <= offset <= 5 and len(answers) == 4
+        assert torch.equal(ids[offset:offset + 32], inner) and torch.equal(labels[offset:offset + 32], inner_labels)
+        assert (labels[:offset] == mqar.IGNORE).all() and (labels[offset + 32:] == mqar.IGNORE).all()
+        offsets.append(offset)
+    assert set(offsets) == set(range(6))  # every offset occurs: the pairs sit at no fixed place
+    assert torch.equal(mqar.shift_rows(rows, 0).ids, rows.ids)
+    with pytest.raises(ValueError, match="max_shift"):
+        mqar.shift_rows(rows, -1)
+
+
 def test_query_gaps_follow_the_zoology_power_law():
     slots, power_a = 30, 0.01
     zoology = power_a * np.arange(1, slots + 1, dtype=np.float64) ** (power_a - 1)  # Zoology's formula
@@ -185,6 +203,17 @@ def test_recipe_attention_learns_recall(tmp_path):
         recipe.main(argv + ["--resume", "--steps", "601", "--vocab-size", "4096"])  # another experiment
 
 
+def test_recipe_cells_with_a_max_shift_keep_the_cell_length_and_move_the_pairs():
+    train, test = _recipe().cell_rows(64, 12, 8192, 96, 32, 0, 1, 16)  # (48, 12) rows shifted 0..16 into 64
+    for rows in (train, test):
+        assert rows.ids.shape[1] == 64 and ((rows.labels != mqar.IGNORE).sum(1) == 12).all()
+        key_then_value = ((rows.ids[:, 0] < 4096) & (rows.ids[:, 1] >= 4096)).float().mean()
+        assert key_then_value < 0.5  # unshifted rows all start with a key and its value
+    unshifted, _ = _recipe().cell_rows(64, 16, 8192, 8, 8, 0)
+    assert torch.equal(unshifted.ids, mqar.mqar_rows(8, 64, 16, seed=1).ids)  # Zoology's layout by default
+    assert ((unshifted.ids[:, 0] < 4096) & (unshifted.ids[:, 1] >= 4096)).all()
+
+
 def test_recipe_refuses_cells_that_do_not_fit(tmp_path):
     with pytest.raises(ValueError, match="kv_pairs"):
         _recipe().main(["--out", str(tmp_path), "--cells", "64:32"])
@@ -192,6 +221,10 @@ def test_recipe_refuses_cells_that_do_not_fit(tmp_path):
         _recipe().main(["--out", str(tmp_path), "--cells", "64:4", "--warm-cell", "16:8", "--warm-steps", "5"])
     with pytest.raises(SystemExit):
         _recipe().main(["--out", str(tmp_path), "--cells", "64:4", "--warm-cell", "64:4"])  # no --warm-steps
+    with pytest.raises(ValueError, match="the cell 64:12 less --max-shift 20: kv_pairs=12 do not fit"):
+        _recipe().main(["--out", str(tmp_path), "--cells", "64:12", "--max-shift", "20"])  # 44 < 4 x 12 tokens
+    with pytest.raises(SystemExit):
+        _recipe().main(["--out", str(tmp_path), "--max-shift", "-1"])
     assert not (tmp_path / "results.json").exists()
 
 
