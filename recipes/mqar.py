@@ -131,16 +131,17 @@ def mixed_settings(runs: list[dict]) -> list[str]:
     return [name for name in RUN_SETTINGS if len({json.dumps(run[name]) for run in runs if name in run}) > 1]
 
 
-def _recorded(runs: list[dict], name: str) -> str:
-    return "/".join(sorted({str(run[name]) for run in runs if name in run}))
+def _recorded(runs: list[dict], names: list[str], now: dict | None = None) -> str:
+    """``--name value/value`` for each setting in ``names``, as the runs recorded it (and ``(now X)``)."""
+    return ", ".join(f"--{name.replace('_', '-')} {'/'.join(sorted({str(run[name]) for run in runs if name in run}))}"
+                     + (f" (now {now[name]})" if now else "") for name in names)
 
 
 def check_resumable(runs: list[dict], args) -> None:
     """Refuse to resume runs made with other settings, naming them."""
     settings = run_settings(args)
     if changed := mixed_settings(runs + [settings]):
-        raise SystemExit(f"{args.out}/runs.json was made with other settings: " + ", ".join(
-            f"--{name.replace('_', '-')} {_recorded(runs, name)} (now {settings[name]})" for name in changed))
+        raise SystemExit(f"{args.out}/runs.json was made with other settings: {_recorded(runs, changed, settings)}")
 
 
 def model_key(row: dict) -> tuple:
@@ -328,8 +329,7 @@ def main(argv=None) -> list[dict]:
             raise SystemExit(f"--report: {args.out}/runs.json does not exist")
         runs = json.loads((args.out / "runs.json").read_text())
         if mixed := mixed_settings(runs):  # runs.json files joined from several OUTs: one table, one experiment
-            raise SystemExit(f"--report: {args.out}/runs.json mixes settings: " + ", ".join(
-                f"--{name.replace('_', '-')} {_recorded(runs, name)}" for name in mixed))
+            raise SystemExit(f"--report: {args.out}/runs.json mixes settings: {_recorded(runs, mixed)}")
         (args.out / "results.json").write_text(json.dumps(best_per_model(runs), indent=1))
     else:
         runs = train_grid(args)
