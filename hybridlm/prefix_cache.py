@@ -38,7 +38,7 @@ import torch
 
 from . import prefix_cache_states as snapshots
 from .cache import HybridCache, KVLayout
-from .prefix_cache_files import load_snapshots, policy_from_json, policy_json, read_header, save_snapshots
+from .prefix_cache_files import load_snapshots, policy_from_json, policy_json, read_snapshot_file, save_snapshots
 
 _SAMPLED_VALUES = 1024  # per weight tensor, in the model fingerprint
 
@@ -244,7 +244,7 @@ class PrefixCache:
     def load(cls, path, model, max_bytes: int | None = None) -> PrefixCache:
         """A cache saved by :meth:`save`, for ``model`` (it must be the model the snapshots were taken from:
         same layer kinds, state shapes and weights); ``max_bytes`` replaces the saved budget."""
-        header = read_header(path)
+        header, tensors = read_snapshot_file(path)  # one read: another process may save the same path
         cache = cls(header["block_size"], header["max_bytes"] if max_bytes is None else max_bytes)
         cache._identity = {name: header[name] for name in ("signature", "fingerprint", "policy")}
         policy = policy_from_json(header["policy"])
@@ -254,7 +254,7 @@ class PrefixCache:
             # a compiled decoder's static caches: rebuilt on a static template (all its fields come from the file)
             template = model.new_cache(1, max_length=1, policy=policy, static=True)
         cache._check_kinds(template)
-        for key, blocks, parent, snapshot in load_snapshots(path, header, template):
+        for key, blocks, parent, snapshot in load_snapshots(path, header, tensors, template):
             cache._insert(key, _Entry(snapshot, blocks, snapshot.reserved_nbytes(), parent))
         cache._evict()  # once all are in, so that no snapshot goes before the later blocks that need it
         return cache

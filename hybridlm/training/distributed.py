@@ -12,13 +12,22 @@ from __future__ import annotations
 
 import atexit
 import os
-import shutil
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
 
-from .checkpoint import CHECKPOINT_DIR, check_resumable, load_checkpoint, save_checkpoint
+from ..files import read_manifest, staging_path, torch_bytes, verify_directory, write_file
+from .checkpoint import (
+    CHECKPOINT_DIR,
+    TRAINER_STATE,
+    check_resumable,
+    finish_checkpoint,
+    load_checkpoint,
+    load_trainer_state,
+    save_checkpoint,
+    start_checkpoint,
+)
 
 DCP_DIR = "dcp"  # inside OUT/checkpoint: model and optimizer written by torch.distributed.checkpoint
 KINDS = ("ddp", "fsdp")
@@ -53,6 +62,9 @@ class SingleProcess:
     def broadcast_text(self, text: str | None) -> str:
         """The main process's ``text`` on every rank."""
         return text
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
 
     def save(self, out: Path, model, optimizer, scheduler, state: dict) -> None:
         save_checkpoint(out, model, optimizer, scheduler, state)
@@ -203,42 +215,37 @@ class FullyShardedParallel(_Distributed):
 
 def save_sharded(out: Path, model, optimizer, scheduler, state: dict, parallel) -> Path:
     """``OUT/checkpoint`` with model and optimizer through DCP (every rank writes its shard) and the scheduler,
-    step and RNG in ``trainer_state.pt`` (rank 0); written to a temporary directory renamed over the old one."""
+    step and RNG in ``trainer_state.pt`` (rank 0); staged and published as :func:`save_checkpoint` is."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .checkpoint import _config_dict
-
-    final, temporary = out / CHECKPOINT_DIR, out / (CHECKPOINT_DIR + ".tmp")
     if parallel.is_main:
-        shutil.rmtree(temporary, ignore_errors=True)
-        temporary.mkdir(parents=True)
+        start_checkpoint(out)
     parallel.barrier()
+    staged = staging_path(out / CHECKPOINT_DIR)
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=temporary / DCP_DIR)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staged / DCP_DIR)
     if parallel.is_main:
-        import json
-
-        torch.save({"scheduler": scheduler.state_dict(), "rng": torch.get_rng_state(), **state},
-                   temporary / "trainer_state.pt")
-        (temporary / "config.json").write_text(json.dumps(_config_dict(model), indent=1, sort_keys=True))
-        shutil.rmtree(final, ignore_errors=True)
-        temporary.rename(final)
+        write_file(staged / TRAINER_STATE, torch_bytes({"scheduler": scheduler.state_dict(),
+                                                        "rng": torch.get_rng_state(), **state}))
+        finish_checkpoint(out, model)
     parallel.barrier()
-    return final
+    return out / CHECKPOINT_DIR
 
 
 def load_sharded(path: Path, model, optimizer, scheduler) -> dict:
     """Restore a DCP checkpoint into ``model`` and ``optimizer`` (sharded or not, any world size), then the
-    scheduler and RNG; returns the rest of the saved state (step, tokens, ...)."""
+    scheduler and RNG; returns the rest of the saved state (step, tokens, ...). Every file is checked against
+    the manifest first."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+    verify_directory(path)
+    state = load_trainer_state(path, read_manifest(path))
     model_state, optimizer_state = get_state_dict(model, optimizer)
     saved = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(saved, checkpoint_id=path / DCP_DIR)
     set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
-    state = torch.load(path / "trainer_state.pt", weights_only=True)
     scheduler.load_state_dict(state.pop("scheduler"))
     torch.set_rng_state(state.pop("rng"))
     return state

@@ -33,11 +33,14 @@ def read_examples(path: str | Path, option: str = "--data") -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{option} {path}: no such file")
     examples = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(path.read_bytes().split(b"\n"), 1):
         if not line.strip():
             continue
         try:
-            example = json.loads(line)
+            example = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{option} {path}:{number}: not UTF-8 text ({error.reason} at byte {error.start} of "
+                             "the line)") from None
         except json.JSONDecodeError as error:
             raise ValueError(f"{option} {path}:{number}: not a JSON line ({error})") from None
         if not (_is_pair(example) or _is_chat(example)):
@@ -91,6 +94,22 @@ def encode_example(tokenizer, example: dict) -> tuple[list[int], list[bool]]:
         ids += piece
         trained += [is_target] * len(piece)
     return ids + [tokenizer.eos_token_id], trained + [True]
+
+
+def with_targets(encoded: list[tuple[list[int], list[bool]]], seq_len: int, option: str = "--data"):
+    """The examples that keep a target token within the first ``seq_len`` (longer ones are cut when packed), and
+    the counts ``{"examples_cut", "examples_without_target"}`` (printed when not zero); an error when no example
+    keeps one."""
+    counts = {"examples_cut": sum(len(ids) > seq_len for ids, _ in encoded)}
+    kept = [(ids, trained) for ids, trained in encoded if any(trained[:seq_len])]
+    counts["examples_without_target"] = len(encoded) - len(kept)
+    if not kept:
+        raise ValueError(f"{option}: none of the {len(encoded)} examples keeps a response token within --seq-len "
+                         f"{seq_len} (each prompt fills the row); raise --seq-len or shorten the prompts")
+    if counts["examples_cut"]:
+        print(f"{option}: {counts['examples_cut']} of {len(encoded)} examples are longer than --seq-len {seq_len} "
+              f"and were cut; {counts['examples_without_target']} of them kept no response token and are left out")
+    return kept, counts
 
 
 def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pad_id: int):
@@ -196,6 +215,8 @@ def run(args) -> dict:
     """Validate, encode and pack, evaluate, train, evaluate, save; returns the eval losses before and after."""
     import torch
 
+    from ..files import write_file
+    from .checkpoint import check_new_run
     from .loop import evaluate, train
     from .pretrain import build_model, check_seq_len
     from .tokenizer import load_tokenizer
@@ -206,8 +227,7 @@ def run(args) -> dict:
                          seed=args.seed, weight_decay=0.0)
     if args.merge and not args.lora:
         raise ValueError("--merge needs --lora")
-    if (args.out / "checkpoint").exists():
-        raise FileExistsError(f"--out {args.out} already holds a run; choose another --out")
+    check_new_run(args.out)
     tokenizer_dir = args.tokenizer or (args.model if Path(args.model).is_dir() else None)
     if tokenizer_dir is None:
         raise ValueError(f"--model {args.model} is not a directory: pass --tokenizer")
@@ -221,8 +241,11 @@ def run(args) -> dict:
         check_exportable(model, fmt)
     check_seq_len(args.seq_len, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    rows = pack_examples([encode_example(tokenizer, e) for e in train_examples], args.seq_len, pad)
-    eval_rows = pack_examples([encode_example(tokenizer, e) for e in eval_examples], args.seq_len, pad)
+    train_encoded, counts = with_targets([encode_example(tokenizer, e) for e in train_examples], args.seq_len)
+    eval_encoded, _ = with_targets([encode_example(tokenizer, e) for e in eval_examples], args.seq_len,
+                                   "--eval-data" if args.eval_data else "held-out examples")
+    rows = pack_examples(train_encoded, args.seq_len, pad)
+    eval_rows = pack_examples(eval_encoded, args.seq_len, pad)
     if args.lora:
         from .lora import add_lora
 
@@ -234,25 +257,27 @@ def run(args) -> dict:
     print(f"eval loss before: {before:.4f}")
     torch.manual_seed(args.seed)
     last = train(model, rows, config, args.out, eval_rows=eval_rows)
-    result = {"eval_loss_before": before, "eval_loss_after": last["eval_loss"], "steps": config.steps}
+    result = {"eval_loss_before": before, "eval_loss_after": last["eval_loss"], "steps": config.steps, **counts}
     _save(model, tokenizer, args, fmt)
-    (args.out / "finetune.json").write_text(json.dumps(result, indent=1))
+    write_file(args.out / "finetune.json", json.dumps(result, indent=1))
     print(json.dumps(result))
     return result
 
 
 def _save(model, tokenizer, args, fmt: str) -> None:
     """Adapters alone (``--lora``), or the whole model in ``fmt`` (full fine-tuning, ``--lora --merge``)."""
+    from ..files import save_pretrained_aside
+
     if args.lora and not args.merge:
         model.peft_config["default"].base_model_name_or_path = str(args.model)
-        model.save_pretrained(args.out)
+        save_pretrained_aside(model, args.out)
     else:
         if args.lora:
             from .lora import merge_lora
 
             model = merge_lora(model)
-        model.save_pretrained(args.out, format=fmt)
-    tokenizer.save_pretrained(args.out)
+        save_pretrained_aside(model, args.out, format=fmt)
+    save_pretrained_aside(tokenizer, args.out)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from .checkpoint import recover_checkpoint
 from .config import TrainConfig
 from .metrics import MetricsLog, plot_loss
 from .packing import PackedRows, rows_for_step
@@ -79,6 +80,9 @@ def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, config.schedule)
     state = {"step": 0, "tokens": 0, "elapsed_s": 0.0}
     if resume:
+        if parallel.is_main:
+            recover_checkpoint(out)  # what a kill during a save left: finished or undone
+        parallel.barrier()
         state.update(parallel.load(out, model, optimizer, scheduler))
     log = MetricsLog(out, resume_step=state["step"] if resume else None) if parallel.is_main else None
     coef = getattr(model.config, "router_aux_loss_coef", 0.0)

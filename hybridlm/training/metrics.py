@@ -3,28 +3,55 @@
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
+
+from ..files import DamagedFileError, write_file, written_aside
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``. A last row cut short by a kill during its append is dropped with a
+    warning; any other damage is an error naming the file and line."""
+    lines = path.read_bytes().split(b"\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            if number == len(lines):  # no newline after it: the append did not finish
+                warnings.warn(f"{path}:{number}: dropped a partial last row (a crash during its append)",
+                              stacklevel=2)
+                continue
+            raise DamagedFileError(f"{path}:{number}: not a JSON row ({error})") from None
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+            raise DamagedFileError(f"{path}:{number}: not a metrics row (a JSON object with an integer 'step')")
+        rows.append(row)
+    return rows
 
 
 class MetricsLog:
-    """Appends rows to ``OUT/metrics.jsonl``; on resume, rows past the resumed step are dropped first so the
-    file reads as one uninterrupted run."""
+    """Appends rows to ``OUT/metrics.jsonl``; on resume, rows past the resumed step (and a partial last row)
+    are dropped first so the file reads as one uninterrupted run."""
 
     def __init__(self, out: Path, resume_step: int | None = None):
         self.path = out / "metrics.jsonl"
         if resume_step is None:
-            self.path.write_text("")
+            write_file(self.path, "")
         elif self.path.exists():
-            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            kept = [row for row in rows if row["step"] <= resume_step]
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+            kept = [row for row in read_metrics(self.path) if row["step"] <= resume_step]
+            write_file(self.path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def write(self, row: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
     def rows(self) -> list[dict]:
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return read_metrics(self.path)
 
 
 def plot_loss(rows: list[dict], path: Path) -> bool:
@@ -52,6 +79,7 @@ def plot_loss(rows: list[dict], path: Path) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with written_aside(path) as temporary:
+        fig.savefig(temporary, dpi=100, format=Path(path).suffix.lstrip(".") or "png")
     plt.close(fig)
     return True

@@ -151,22 +151,27 @@ def _run_settings(args, rows) -> dict:
 def check_same_settings(out: Path, settings: dict) -> None:
     """``--resume`` continues exactly only with the settings of the run in ``out``: refuse others, naming them
     (a run written before this file existed is not checked)."""
+    from ..files import DamagedFileError, read_json
+
     path = out / RUN_SETTINGS
     if not path.is_file():
         return
-    saved = json.loads(path.read_text())
+    saved = read_json(path)
+    if not isinstance(saved, dict) or saved.keys() != settings.keys():
+        raise DamagedFileError(f"{path}: not the settings a run records (expected the keys {', '.join(settings)})")
     differing = [f"{name} {settings[name]} (the run used {saved[name]})" if name.startswith("--")
-                 else f"{name} differ from the run's" for name in settings
-                 if name in saved and saved[name] != settings[name]]
+                 else f"{name} differ from the run's" for name in settings if saved[name] != settings[name]]
     if differing:
-        raise ValueError(f"--resume: {out} was trained with other settings, so it would not continue exactly: "
-                         + "; ".join(differing))
+        raise ValueError(f"--resume: {out} was trained with other settings ({path}), so it would not continue "
+                         "exactly: " + "; ".join(differing))
 
 
 def run(args) -> dict:
     """Validate, prepare the data, train, save the model with its tokenizer; returns the last metrics."""
     import torch
 
+    from ..files import save_pretrained_aside, write_file
+    from .checkpoint import check_new_run, check_resumable, existing_checkpoint, recover_checkpoint
     from .distributed import SingleProcess, from_environment
     from .evaluation import HeldOut
     from .loop import train
@@ -175,10 +180,13 @@ def run(args) -> dict:
     config = _train_config(args)
     parallel = SingleProcess() if args.parallel == "none" else from_environment(args.parallel)
     out: Path = args.out
-    if not args.resume and (out / "checkpoint").exists():
-        raise FileExistsError(f"--out {out} already holds a checkpoint: pass --resume to continue it, or another --out")
-    if args.resume and not (out / "checkpoint").exists():
-        raise FileNotFoundError(f"--resume: no checkpoint in {out}")
+    if args.resume:
+        if parallel.is_main:
+            recover_checkpoint(out)  # what a kill during a save left: finished or undone
+        parallel.barrier()
+        existing_checkpoint(out)
+    else:
+        check_new_run(out)
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be a positive integer, got {args.threads}")
@@ -189,8 +197,6 @@ def run(args) -> dict:
     check_seq_len(args.seq_len, model)
     parallel.check_batch(config.batch_size // config.grad_accum)
     if args.resume:
-        from .checkpoint import check_resumable
-
         check_resumable(out, model)
     eos = tokenizer.eos_token_id
     rows = pack_documents(tokenize_documents(tokenizer, corpus.train_texts), args.seq_len, eos)
@@ -200,9 +206,9 @@ def run(args) -> dict:
         check_same_settings(out, settings)
     if parallel.is_main:
         out.mkdir(parents=True, exist_ok=True)
-        tokenizer.save_pretrained(out)
-        if not args.resume:
-            (out / RUN_SETTINGS).write_text(json.dumps(settings, indent=1))
+        if not args.resume:  # a resumed run loaded both from OUT
+            save_pretrained_aside(tokenizer, out)
+            write_file(out / RUN_SETTINGS, json.dumps(settings, indent=1))
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, layers {model.config.layer_types}")
         print(f"data: {len(rows)} rows x {args.seq_len} tokens for training ({len(corpus.train)} documents), "
               f"{len(held_out.rows)} held-out rows; {1 / held_out.tokens_per_byte:.2f} bytes per token")
@@ -212,7 +218,7 @@ def run(args) -> dict:
     if parallel.is_main:
         model.config.eos_token_id = model.generation_config.eos_token_id = eos
         model.config.bos_token_id = model.generation_config.bos_token_id = eos
-        model.save_pretrained(out)
+        save_pretrained_aside(model, out)
         print(json.dumps(last))
         if args.sample:
             print(sample(model, tokenizer, args.sample))
