@@ -71,10 +71,12 @@ def main(argv: list[str] | None = None) -> None:
 @command(
     "generate", "Generate from a checkpoint (any supported format, default: the bundled hybrid); text in and out.",
     option("--model", metavar="DIR_OR_HUB_ID",
-           help="checkpoint directory, or a hub id already in the local Hugging Face cache; default: the bundled "
-                "hybrid (hybridlm.bundled_model_dir())"),
+           help="checkpoint directory, a .gguf file (needs the gguf extra), or a hub id already in the local "
+                "Hugging Face cache; default: the bundled hybrid (hybridlm.bundled_model_dir())"),
     option("--prompt", help="text prompt, encoded with the checkpoint's tokenizer (or as UTF-8 bytes for a "
                             "byte-level model without one); default: give --ids instead"),
+    option("--chat", action="store_true",
+           help="send --prompt as a user message through the tokenizer's chat template (instruct models)"),
     option("--ids", type=token_ids,
            help="comma-separated token ids, instead of --prompt; default: give --prompt instead"),
     option("--max-new-tokens", type=non_negative_int, default=64, help="tokens to generate at most"),
@@ -101,30 +103,23 @@ def main(argv: list[str] | None = None) -> None:
                                                   "compile, 10-60 s on a CPU)"),
 )
 def run_generate(args) -> None:
-    from .paths import local_directory
-
-    local = local_directory(args.model) if args.model else None  # a mistyped path fails before torch loads
-    import torch
-
-    from .bundled import bundled_model_dir
-    from .formats import load
-    from .formats.base import resolve_directory
-    from .training.tokenizer import tokenizer_for
-
-    directory = local or (resolve_directory(args.model) if args.model else bundled_model_dir())
-    model = load(directory, dtype=torch.float32)
-    tokenizer = tokenizer_for(directory, model.config.vocab_size)
+    model, tokenizer, directory = _model_and_tokenizer(args.model)
+    if args.chat and args.prompt is None:
+        raise ValueError("--chat sends --prompt as a chat message: give --prompt")
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"--prompt needs tokenizer files in {directory} (this model has "
                              f"{model.config.vocab_size} tokens, so it is not byte-level); give --ids instead")
-        prompt_ids = tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
+        prompt_ids = chat_prompt(tokenizer, args.prompt) if args.chat else \
+            tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
     elif args.ids:
         prompt_ids = args.ids
     else:
         raise ValueError("give --prompt TEXT or --ids 1,2,3")
     eos = model.config.eos_token_id
     stops = [eos] if isinstance(eos, int) else list(eos or [])
+    if getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in stops:
+        stops.append(tokenizer.eos_token_id)  # the end of a chat turn, where it is not the model's eos
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     from .kv.policy import CachePolicy
@@ -140,21 +135,75 @@ def run_generate(args) -> None:
                  None if policy.is_default else policy, compile=args.compile)
 
 
+def _model_and_tokenizer(source: str | None):
+    """``(model, tokenizer or None, where it came from)`` for ``--model``: a checkpoint directory or hub id
+    (default: the bundled hybrid) with its tokenizer files, or a GGUF file with the tokenizer it holds."""
+    from pathlib import Path
+
+    from .paths import local_directory, split_gguf_path
+
+    gguf = split_gguf_path(source, None) if source else None
+    local = local_directory(source) if source and gguf is None else None  # a mistyped path fails before torch
+    import torch
+
+    from .bundled import bundled_model_dir
+    from .formats import load
+    from .formats.base import resolve_directory
+    from .formats.gguf import read_gguf_tokenizer
+    from .training.tokenizer import check_tokenizer_fits, tokenizer_for
+
+    if gguf is not None:
+        model = load(Path(source), dtype=torch.float32)
+        tokenizer = read_gguf_tokenizer(*gguf)
+        return model, tokenizer and check_tokenizer_fits(tokenizer, model.config.vocab_size, source), source
+    directory = local or (resolve_directory(source) if source else bundled_model_dir())
+    model = load(directory, dtype=torch.float32)
+    return model, tokenizer_for(directory, model.config.vocab_size), directory
+
+
+def chat_prompt(tokenizer, message: str) -> list[int]:
+    """The ids of ``message`` as one user turn in the tokenizer's chat template, ready for the reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat: this tokenizer has no chat template (not an instruct model?); drop --chat")
+    encoded = tokenizer.apply_chat_template([{"role": "user", "content": message}], add_generation_prompt=True)
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
 @command(
-    "convert", "Read SRC (any supported format) and write DST in the format given by --to.",
-    option("src", metavar="SRC", help="checkpoint directory (or hub id in the local cache) to read"),
+    "convert", "Read SRC (any supported format, or a .gguf file) and write DST in the format given by --to.",
+    option("src", metavar="SRC", help="checkpoint directory (or hub id in the local cache), or a .gguf file, to read"),
     option("dst", metavar="DST", help="directory to write"),
-    option("--to", required=True, help="hybridlm, or a model_type such as jamba, mamba2, bamba"),
+    option("--to", help="hybridlm, or a model_type such as llama, jamba, mamba2, bamba; default for a .gguf "
+                        "file: its own family (llama, qwen2, ...), with its tokenizer; required otherwise"),
 )
 def run_convert(args) -> None:
-    from .paths import local_directory
+    from pathlib import Path
 
-    local_directory(args.src)  # a mistyped path fails before torch loads
+    from .paths import local_directory, split_gguf_path
+
+    gguf = split_gguf_path(args.src, None)
+    if gguf is None:
+        local_directory(args.src)  # a mistyped path fails before torch loads
+        if args.to is None:
+            raise ValueError("--to is required unless SRC is a .gguf file (say which format to write)")
     from .formats import load
 
-    model = load(args.src)
-    model.save_pretrained(args.dst, format=args.to)
-    print(f"wrote {args.dst} ({args.to})")
+    model = load(Path(args.src) if gguf else args.src)
+    target = args.to
+    if gguf is not None:
+        from transformers import AutoConfig
+
+        from .formats.gguf import read_gguf_tokenizer
+
+        target = target or AutoConfig.from_pretrained(gguf[0], gguf_file=gguf[1]).model_type
+        model.save_pretrained(args.dst, format=target)
+        tokenizer = read_gguf_tokenizer(*gguf)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(args.dst)
+        print(f"wrote {args.dst} ({target}, {'with its tokenizer' if tokenizer else 'the file holds no tokenizer'})")
+        return
+    model.save_pretrained(args.dst, format=target)
+    print(f"wrote {args.dst} ({target})")
 
 
 @command("train", "Pretrain a model (default: a 1:3 hybrid on the Python standard library); docs/training.md.",

@@ -89,9 +89,11 @@ class HybridConfig(PreTrainedConfig):
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "dynamic" | "llama3" | "yarn", ...}: layers/rotary.py
     partial_rotary_factor: float = 1.0
     sliding_window: int | None = None
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o
+    attention_output_bias: bool | None = None  # o_proj's bias alone; None: attention_bias (Qwen2: False, q/k/v: True)
     attention_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
     attention_qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (LFM2, Qwen3-Next)
     attention_output_gate: bool = False  # o_proj(attention * sigmoid(gate_proj(x))) (Qwen3-Next)

@@ -64,6 +64,8 @@ def _describe(hint) -> str:
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(arg) for arg in typing.get_args(hint))
+    if hint is dict:
+        return "a dict"
     if origin is list:
         return f"a list of ({_describe(typing.get_args(hint)[0])})"
     return getattr(hint, "__name__", str(hint))
@@ -81,6 +83,8 @@ def _matches(value, hint, *, finite: bool = True) -> bool:
                 and (math.isfinite(value) or not finite))
     if hint is str:
         return isinstance(value, str)
+    if hint is dict:
+        return isinstance(value, dict)
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg, finite=finite) for arg in typing.get_args(hint))

@@ -1,6 +1,6 @@
-"""Telling a local checkpoint path from a hub id, without importing torch or transformers: the loader
-(:func:`hybridlm.formats.base.resolve_directory`) and the command line (which answers a mistyped path before it
-imports anything heavy) share it."""
+"""Telling a local checkpoint path from a hub id (or a GGUF file), without importing torch or transformers: the
+loader (:func:`hybridlm.formats.base.resolve_directory`) and the command line (which answers a mistyped path
+before it imports anything heavy) share it."""
 
 from __future__ import annotations
 
@@ -41,3 +41,19 @@ def existing_config(path: str | os.PathLike, option: str) -> Path:
     if not file.is_file():
         raise FileNotFoundError(f"{option} {path}: no config.json in that directory")
     return file
+
+
+def split_gguf_path(path: str | os.PathLike, gguf_file: str | None) -> tuple[Path, str] | None:
+    """``(directory, file name)`` when ``path`` (or ``path / gguf_file``) is a GGUF file; None otherwise."""
+    given = Path(path).expanduser()
+    if gguf_file is not None:
+        file = given / gguf_file if given.is_dir() else given
+        if given.is_file() and given.name != Path(gguf_file).name:
+            raise ValueError(f"{given} is a file and gguf_file={gguf_file!r} names another")
+    elif given.suffix == ".gguf":
+        file = given
+    else:
+        return None
+    if not file.is_file():
+        raise FileNotFoundError(f"GGUF file {file} does not exist")
+    return file.parent, file.name

@@ -17,15 +17,20 @@ import torch
 from . import (  # noqa: F401
     bamba,
     falcon_h1,
+    gemma,
     granitemoehybrid,
     jamba,
     kimi_linear,
     lfm2,
+    llama,
     mamba,
     mamba2,
     mamba_ssm,
+    mistral,
     nemotron_h,
     olmo_hybrid,
+    qwen2,
+    qwen3,
     qwen3_5,
     qwen3_5_moe,
     qwen3_next,
@@ -48,10 +53,18 @@ from .base import (
 from .mapping import check_expressible
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None):
-    """Load a checkpoint directory (or hub id) of any supported architecture, hybridlm's own included."""
+def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+         gguf_file: str | None = None):
+    """Load a checkpoint directory (or hub id) of any supported architecture, hybridlm's own included, or a GGUF
+    file (``path`` ending in ``.gguf``, or a directory and ``gguf_file``; needs the ``gguf`` extra)."""
     from ..model import HybridForCausalLM
+    from ..paths import split_gguf_path
+    from .gguf import read_gguf
 
+    located = split_gguf_path(path, gguf_file)
+    if located is not None:
+        foreign_config, state = read_gguf(*located, dtype=dtype)
+        return build_foreign(foreign_config, state, str(located[0] / located[1]), dtype, device)
     return load_pretrained(HybridForCausalLM, path, dtype=dtype, device_map=device)
 
 
@@ -103,20 +116,26 @@ def _load_own(cls, directory: Path, config_dict: dict, args: tuple, kwargs: dict
 
 
 def _load_foreign(directory: Path, foreign_config: dict, dtype, device):
-    """A foreign checkpoint as a HybridForCausalLM: its config and weights mapped by its format, every weight
-    checked, built on the meta device and filled in place."""
+    """A foreign checkpoint directory as a HybridForCausalLM (see :func:`build_foreign`)."""
+    detect(foreign_config)  # an unsupported or refused architecture fails before its weights are read
+    return build_foreign(foreign_config, read_weights(directory), str(directory), dtype, device)
+
+
+def build_foreign(foreign_config: dict, foreign_state, source: str, dtype, device):
+    """A HybridForCausalLM from a foreign config and its weights (transformers' names): both mapped by the
+    format, every weight checked, built on the meta device and filled in place (the weights are not copied)."""
     from ..model import HybridForCausalLM
 
     fmt = detect(foreign_config)
     config = fmt.to_config(foreign_config)
-    state = fmt.import_weights(read_weights(directory), config, foreign_config)
+    state = fmt.import_weights(foreign_state, config, foreign_config)
     with torch.device("meta"):
         model = HybridForCausalLM(config)
     expected = {name: t.shape for name, t in model.state_dict().items()}
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
         state.pop("lm_head.weight", None)
-    check_state(expected, state, f"{directory} ({fmt.model_type})")
+    check_state(expected, state, f"{source} ({fmt.model_type})")
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.tie_weights()

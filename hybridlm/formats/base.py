@@ -46,9 +46,18 @@ class CheckpointFormat:
 FORMATS: dict[str, CheckpointFormat] = {}
 
 
+#: Architectures recognised but not read, with the options hybridlm lacks for each (see :func:`refuse`).
+REFUSED: dict[str, list[str]] = {}
+
+
 def register(fmt: CheckpointFormat) -> CheckpointFormat:
     FORMATS[fmt.model_type] = fmt
     return fmt
+
+
+def refuse(model_type: str, missing: list[str]) -> None:
+    """Record that ``model_type`` is known and refused because hybridlm lacks ``missing`` (named in the error)."""
+    REFUSED[model_type] = missing
 
 
 def supported() -> list[str]:
@@ -60,6 +69,9 @@ def detect(foreign_config: dict) -> CheckpointFormat:
     model_type = foreign_config.get("model_type")
     if model_type in FORMATS:
         return FORMATS[model_type]
+    if model_type in REFUSED:
+        raise ValueError(f"{model_type} checkpoints are not supported: hybridlm lacks "
+                         f"{'; '.join(REFUSED[model_type])}")
     for fmt in FORMATS.values():
         if fmt.matches is not None and fmt.matches(foreign_config):
             return fmt
@@ -89,7 +101,7 @@ EXPORT_OPTIONS = {
     "embedding_multiplier": 1.0, "residual_multiplier": 1.0, "logits_multiplier": 1.0, "attention_scale": None,
     "mamba2_inner_size": None, "mamba2_norm": "gated", "moe_router": "softmax", "moe_routed_scaling": 1.0,
     "shared_block_layers": None, "attention_qk_norm": False, "attention_output_gate": False,
-    "moe_shared_expert_gate": False,
+    "moe_shared_expert_gate": False, "rope_scaling": None, "attention_output_bias": None,
 }
 
 

@@ -73,19 +73,31 @@ def require_settings(foreign_config: dict, supported: dict, model_type: str) -> 
         raise ValueError(f"{model_type} checkpoint uses settings hybridlm does not implement: {'; '.join(problems)}")
 
 
-def rope_settings(foreign_config: dict, default_partial_rotary_factor: float = 1.0) -> dict:
+def rope_settings(foreign_config: dict, default_partial_rotary_factor: float = 1.0, scaling: bool = False) -> dict:
     """RoPE fields as HybridConfig arguments from ``rope_parameters`` (transformers 5.x) or the older top-level
-    ``rope_theta`` / ``partial_rotary_factor``; only the default (unscaled) RoPE is supported."""
+    ``rope_theta`` / ``partial_rotary_factor``. With ``scaling``, a ``linear``, ``dynamic``, ``llama3`` or
+    ``yarn`` scaling is read into ``rope_scaling`` (with its original context filled in as transformers does);
+    otherwise only the default (unscaled) RoPE is supported."""
     rope = dict(foreign_config.get("rope_parameters") or {})
     for key in ("rope_theta", "partial_rotary_factor"):
         rope.setdefault(key, foreign_config.get(key))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default" or foreign_config.get("rope_scaling"):
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    rope.pop("type", None)  # the legacy name transformers keeps beside rope_type
+    theta, factor = rope.pop("rope_theta"), rope.pop("partial_rotary_factor")
+    settings = {"rope_theta": float(theta if theta is not None else 10000.0),
+                "partial_rotary_factor": float(factor if factor is not None else default_partial_rotary_factor)}
+    if rope_type == "default" and not foreign_config.get("rope_scaling"):
+        return settings
+    if not scaling:
         raise ValueError(f"RoPE type {rope_type!r} / rope_scaling={foreign_config.get('rope_scaling')!r} is not "
-                         "supported: hybridlm implements the default (unscaled) RoPE only")
-    factor = rope["partial_rotary_factor"]
-    return {"rope_theta": float(rope["rope_theta"] if rope["rope_theta"] is not None else 10000.0),
-            "partial_rotary_factor": float(factor if factor is not None else default_partial_rotary_factor)}
+                         "supported: hybridlm implements the default (unscaled) RoPE only for this format")
+    if rope_type == "dynamic":  # transformers scales relative to max_position_embeddings, whatever else is given
+        rope["original_max_position_embeddings"] = foreign_config.get("max_position_embeddings")
+    elif rope_type in ("yarn", "llama3"):  # the context the scaling is relative to
+        rope.setdefault("original_max_position_embeddings", foreign_config.get("max_position_embeddings"))
+    if rope_type == "yarn" and rope.get("factor") is None:  # DeepSeek's form: the ratio of the two contexts
+        rope["factor"] = foreign_config["max_position_embeddings"] / rope["original_max_position_embeddings"]
+    return {**settings, "rope_scaling": {"rope_type": rope_type, **rope}}
 
 
 def head_dim_of(foreign_config: dict) -> int:
@@ -120,8 +132,11 @@ def check_mamba2_heads(config: HybridConfig, foreign_config: dict, field: str, f
 
 
 def rope_parameters(config: HybridConfig, partial: bool = True) -> dict:
-    """The ``rope_parameters`` of an exported config (default RoPE; with ``partial``, its rotated fraction)."""
-    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    """The ``rope_parameters`` of an exported config (default RoPE, or the config's ``rope_scaling``; with
+    ``partial``, its rotated fraction)."""
+    rope = {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta}
+    if rope["rope_type"] == "dynamic":  # transformers reads it from max_position_embeddings
+        rope.pop("original_max_position_embeddings")
     return {**rope, "partial_rotary_factor": config.partial_rotary_factor} if partial else rope
 
 

@@ -9,7 +9,7 @@ from .. import ops
 from ..cache import KVLayout, KVState, KVView
 from ..kv.layouts import RingKV
 from ..layers.norms import RMSNorm
-from ..layers.rotary import RotaryEmbedding
+from ..layers.rotary import RotaryEmbedding, scaling_problem
 from ..ops.attention import attention_with_probs, slot_mask
 from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
 from .segments import check_stateless
@@ -25,11 +25,12 @@ class Attention(Mixer):
     call the two themselves."""
 
     pattern_letter = "A"
-    config_fields = HEAD_LAYOUT_FIELDS + ("num_key_value_heads", "rope_theta", "partial_rotary_factor",
-                                          "sliding_window", "attention_scale", "attention_qk_norm",
-                                          "attention_output_gate", "attention_qk_norm_whole")
+    config_fields = HEAD_LAYOUT_FIELDS + ("num_key_value_heads", "rope_theta", "rope_scaling",
+                                          "partial_rotary_factor", "sliding_window", "attention_scale",
+                                          "attention_output_bias", "attention_qk_norm", "attention_output_gate",
+                                          "attention_qk_norm_whole")
     # keys are kept normalised and rotated
-    state_fields = ("sliding_window", "rope_theta", "partial_rotary_factor", "attention_qk_norm",
+    state_fields = ("sliding_window", "rope_theta", "rope_scaling", "partial_rotary_factor", "attention_qk_norm",
                     "attention_qk_norm_whole")
     causal = True
     grows_with_context = True
@@ -44,9 +45,15 @@ class Attention(Mixer):
         if config.attention_qk_norm_whole and not config.attention_qk_norm:
             raise invalid_config("attention_qk_norm_whole", True, "needs attention_qk_norm=True (it says how the "
                                  "q/k norms are laid out)")
-        if int(config.head_dim * config.partial_rotary_factor) % 2:
+        rotary_dim = int(config.head_dim * config.partial_rotary_factor)
+        if rotary_dim % 2:
             raise invalid_config("partial_rotary_factor", config.partial_rotary_factor,
                                  f"head_dim={config.head_dim} * partial_rotary_factor must be even")
+        if config.rope_scaling is not None:
+            problem = scaling_problem(config.rope_scaling) if rotary_dim else \
+                "this attention has no RoPE (partial_rotary_factor=0) to scale"
+            if problem:
+                raise invalid_config("rope_scaling", config.rope_scaling, problem)
 
     def __init__(self, config, layer_idx: int = 0, input_size: int | None = None):
         super().__init__()
@@ -58,9 +65,10 @@ class Attention(Mixer):
         self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        out_bias = bias if config.attention_output_bias is None else config.attention_output_bias
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
         rotary_dim = int(self.head_dim * config.partial_rotary_factor)
-        self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta) if rotary_dim else None
+        self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling) if rotary_dim else None
         # RMSNorm of each query and key head before RoPE (LFM2, Qwen3-Next), or of all heads together (OLMo)
         self.qk_norm_whole = config.attention_qk_norm and config.attention_qk_norm_whole
         if config.attention_qk_norm:

@@ -74,10 +74,19 @@ def has_tokenizer(directory: str | Path) -> bool:
 
 
 def tokenizer_for(directory: str | Path, vocab_size: int):
-    """The tokenizer saved in ``directory``; else :class:`ByteTokenizer` for a 256-token (byte-level) model;
-    else None."""
+    """The tokenizer saved in ``directory`` (checked to fit the model's ``vocab_size``); else
+    :class:`ByteTokenizer` for a 256-token (byte-level) model; else None."""
     if has_tokenizer(directory):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(directory)
+        return check_tokenizer_fits(AutoTokenizer.from_pretrained(directory), vocab_size, directory)
     return ByteTokenizer() if vocab_size == 256 else None
+
+
+def check_tokenizer_fits(tokenizer, vocab_size: int, source) -> object:
+    """``tokenizer``, if every id it can produce is below ``vocab_size`` (a model may have more rows than the
+    tokenizer has tokens, never fewer); otherwise an error naming ``source``."""
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tokenizer in {source} has {len(tokenizer)} tokens but the model has "
+                         f"vocab_size={vocab_size}: it is not this model's tokenizer")
+    return tokenizer

@@ -1,0 +1,9 @@
+"""Mistral: Llama's layout without biases, with one ``sliding_window`` (or none) for every layer."""
+
+from __future__ import annotations
+
+from .llama import Family
+
+FORMAT = Family("mistral", "MistralForCausalLM", bias_field=None, window="global").register()
+
+__all__ = ["FORMAT"]
