@@ -186,24 +186,42 @@ def run_convert(args) -> None:
         local_directory(args.src)  # a mistyped path fails before torch loads
         if args.to is None:
             raise ValueError("--to is required unless SRC is a .gguf file (say which format to write)")
+    from .files import save_pretrained_aside
     from .formats import load
 
     model = load(Path(args.src) if gguf else args.src)
-    target = args.to
     if gguf is not None:
         from transformers import AutoConfig
 
         from .formats.gguf import read_gguf_tokenizer
 
-        target = target or AutoConfig.from_pretrained(gguf[0], gguf_file=gguf[1]).model_type
+        target = args.to or AutoConfig.from_pretrained(gguf[0], gguf_file=gguf[1]).model_type
         model.save_pretrained(args.dst, format=target)
         tokenizer = read_gguf_tokenizer(*gguf)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(args.dst)
-        print(f"wrote {args.dst} ({target}, {'with its tokenizer' if tokenizer else 'the file holds no tokenizer'})")
-        return
-    model.save_pretrained(args.dst, format=target)
-    print(f"wrote {args.dst} ({target})")
+    else:
+        target = args.to
+        model.save_pretrained(args.dst, format=target)
+        tokenizer = _carry_companions(args.src, Path(args.dst), model.config.vocab_size)
+    if tokenizer is not None:
+        save_pretrained_aside(tokenizer, args.dst)
+    print(f"wrote {args.dst} ({target}, {'with its tokenizer' if tokenizer else 'no tokenizer in the source'})")
+
+
+def _carry_companions(source: str, target, vocab_size: int):
+    """What a converted checkpoint keeps from ``source`` besides its weights: its ``generation_config.json``
+    (written over the default one the export derives from the config) and its tokenizer (returned, checked to
+    fit the model, with its chat template), or None when it has none."""
+    from transformers import GenerationConfig
+
+    from .files import save_pretrained_aside
+    from .formats.base import resolve_directory
+    from .training.tokenizer import tokenizer_for
+
+    directory = resolve_directory(source)
+    if (directory / "generation_config.json").is_file():
+        save_pretrained_aside(GenerationConfig.from_pretrained(directory), target)
+    tokenizer = tokenizer_for(directory, vocab_size)
+    return tokenizer if hasattr(tokenizer, "save_pretrained") else None  # not the byte-level fallback
 
 
 @command("train", "Pretrain a model (default: a 1:3 hybrid on the Python standard library); docs/training.md.",

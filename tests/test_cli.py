@@ -198,6 +198,34 @@ def test_convert_round_trip(tmp_path):
         assert torch.equal(load(tmp_path / "dst")(ids).logits, model(ids).logits)
 
 
+def test_convert_carries_the_tokenizer_and_generation_config(tmp_path, capsys):
+    """A converted checkpoint keeps its source's tokenizer (with the chat template) and generation config, so
+    AutoTokenizer and ``hybridlm generate --prompt`` work on it; the text generated is the source's."""
+    import shutil
+
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from hybridlm import bundled_model_dir
+
+    source = tmp_path / "src"
+    shutil.copytree(bundled_model_dir(), source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(source)
+    GenerationConfig(max_new_tokens=7, eos_token_id=0, temperature=0.5, do_sample=True).save_pretrained(source)
+    main(["convert", str(source), str(tmp_path / "dst"), "--to", "bamba"])
+    assert "with its tokenizer" in capsys.readouterr().out
+    copied = AutoTokenizer.from_pretrained(tmp_path / "dst")
+    assert copied.chat_template == tokenizer.chat_template
+    assert copied("def f(x):")["input_ids"] == tokenizer("def f(x):")["input_ids"]
+    assert GenerationConfig.from_pretrained(tmp_path / "dst").temperature == 0.5
+    outputs = []
+    for model in (source, tmp_path / "dst"):
+        main(["generate", "--model", str(model), "--prompt", "import os", "--max-new-tokens", "6"])
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0].strip() and outputs[0] == outputs[1]
+
+
 def test_missing_checkpoint_is_a_clear_error(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), "--ids", "1"])

@@ -144,8 +144,11 @@ def build_foreign(foreign_config: dict, foreign_state, source: str, dtype, devic
 
 
 def export(model, directory: str | os.PathLike, model_type: str) -> None:
-    """Write ``model`` as a ``model_type`` checkpoint that transformers loads as that architecture."""
+    """Write ``model`` as a ``model_type`` checkpoint that transformers loads as that architecture; each file is
+    written aside and renamed into place (a kill leaves the old file or the new one)."""
     from safetensors.torch import save_file
+
+    from ..files import write_file, written_aside
 
     fmt = FORMATS.get(model_type)
     if fmt is None or fmt.from_config is None:
@@ -161,9 +164,10 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
     if model.config.tie_word_embeddings:  # transformers omits the tied head (and safetensors refuses shared tensors)
         state.pop("lm_head.weight", None)
     state = fmt.export_weights(state, model.config)
-    (out / "config.json").write_text(json.dumps(foreign_config, indent=2, sort_keys=True))
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with written_aside(out / "model.safetensors") as weights:
+        save_file(state, weights, metadata={"format": "pt"})
+    write_file(out / "config.json", json.dumps(foreign_config, indent=2, sort_keys=True))
     if getattr(model, "generation_config", None) is not None:
-        model.generation_config.to_json_file(out / "generation_config.json")
+        write_file(out / "generation_config.json", model.generation_config.to_json_string())
 
 __all__ = ["FORMATS", "CheckpointFormat", "detect", "export", "load", "load_pretrained", "register", "supported"]
