@@ -15,6 +15,8 @@ causal_conv1d_update = Dispatcher("causal_conv1d_update")
 causal_linear_attention = Dispatcher("causal_linear_attention")
 gated_delta_rule = Dispatcher("gated_delta_rule")
 gated_delta_rule_step = Dispatcher("gated_delta_rule_step")
+mamba3_scan = Dispatcher("mamba3_scan")
+mamba3_step = Dispatcher("mamba3_step")
 paged_attention = Dispatcher("paged_attention")
 selective_scan = Dispatcher("selective_scan")
 selective_state_update = Dispatcher("selective_state_update")
@@ -29,6 +31,8 @@ __all__ = [
     "causal_linear_attention",
     "gated_delta_rule",
     "gated_delta_rule_step",
+    "mamba3_scan",
+    "mamba3_step",
     "paged_attention",
     "report",
     "selective_scan",

@@ -39,6 +39,7 @@ from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from .compressed_attention import causal_compressed_attention_ref
 from .delta_rule import gated_delta_rule_ref, gated_delta_rule_step_ref
 from .linear_attention import causal_linear_attention_ref
+from .mamba3 import mamba3_scan_ref, mamba3_step_ref
 from .packing import PACKING_ARGUMENTS, takes_packing
 from .paged_attention import paged_attention_ref
 from .selective_scan import selective_scan_ref, selective_state_update_ref
@@ -63,6 +64,8 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "gated_delta_rule": ("fla", "triton", "torch"),
     "gated_delta_rule_step": ("torch",),
     "paged_attention": ("triton", "torch"),
+    "mamba3_scan": ("torch",),
+    "mamba3_step": ("torch",),
 }
 
 REFERENCES: dict[str, Callable] = {
@@ -77,6 +80,8 @@ REFERENCES: dict[str, Callable] = {
     "gated_delta_rule": gated_delta_rule_ref,
     "gated_delta_rule_step": gated_delta_rule_step_ref,
     "paged_attention": paged_attention_ref,
+    "mamba3_scan": mamba3_scan_ref,
+    "mamba3_step": mamba3_step_ref,
 }
 
 

@@ -329,7 +329,10 @@ def mamba3_step_ref(
     angles: torch.Tensor,
     q_bias: torch.Tensor,
     k_bias: torch.Tensor,
-    state: Mamba3Carry,
+    angle_state: torch.Tensor,
+    ssm_state: torch.Tensor,
+    k_state: torch.Tensor,
+    v_state: torch.Tensor,
     *,
     D: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
@@ -340,10 +343,12 @@ def mamba3_step_ref(
     norm_eps: float = 1e-5,
     rope_pairs: str = "interleaved",
 ) -> torch.Tensor:
-    """One decode step, updating ``state`` (a :class:`Mamba3Carry`) in place. The arguments are those of
-    :func:`mamba3_scan_ref` without the time axis (``q, k [batch, rank, groups, d_state]``, ``v [batch, heads,
-    head_dim]``, ``log_decay, dt, trap [batch, heads]``, ``angles [batch, heads, A]``). Returns ``y`` like ``v``."""
+    """One decode step, updating the four state tensors (the fields of :class:`Mamba3Carry`, as mamba-ssm's
+    ``Mamba3.step`` takes them) in place. The other arguments are those of :func:`mamba3_scan_ref` without the
+    time axis (``q, k [batch, rank, groups, d_state]``, ``v [batch, heads, head_dim]``, ``log_decay, dt, trap
+    [batch, heads]``, ``angles [batch, heads, A]``). Returns ``y`` like ``v``."""
     _check(q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, mimo_v, mimo_o, rope_pairs, one_token=True)
+    state = Mamba3Carry(angle_state, ssm_state, k_state, v_state)
     heads = v.shape[-2]
     steps = torch.tanh(angles.double()) * math.pi * dt.double().unsqueeze(-1)
     theta = torch.remainder(state.angle.double() + steps, _TWO_PI).float()  # [b, h, A]

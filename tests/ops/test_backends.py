@@ -56,6 +56,12 @@ def sample_call(op: str, device: str) -> tuple[tuple, dict]:
                                    r(2, 2).sigmoid()), {}),
         "paged_attention": ((r(2, 4, 1, 8), r(5, 2, 3, 8), r(5, 2, 3, 8), torch.tensor([[4, 0], [1, 3]]).to(device),
                              torch.tensor([5, 2]).to(device)), {"scale": 0.3}),
+        "mamba3_scan": ((r(2, 9, 1, 1, 8), r(2, 9, 1, 1, 8), r(2, 9, 2, 4), -r(2, 9, 2).exp(), r(2, 9, 2).sigmoid(),
+                         r(2, 9, 2), r(2, 9, 2, 2), r(2, 1, 8), r(2, 1, 8)), {"D": r(2), "z": r(2, 9, 2, 4),
+                                                                             "chunk_size": 4}),
+        "mamba3_step": ((r(2, 1, 1, 8), r(2, 1, 1, 8), r(2, 2, 4), -r(2, 2).exp(), r(2, 2).sigmoid(), r(2, 2),
+                         r(2, 2, 2), r(2, 1, 8), r(2, 1, 8), r(2, 2, 2), r(2, 2, 4, 8), r(2, 1, 2, 8), r(2, 2, 4)),
+                        {"D": r(2)}),
     }
     return calls[op]
 

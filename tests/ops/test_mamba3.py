@@ -139,8 +139,9 @@ def test_step_and_per_token_states_are_the_recurrence(mimo, pairs):
     f32 = as_f32(inp)
     carry = Mamba3Carry(*(t.float().clone() for t in state))
     per_token = {key: t for key, t in f32.items() if key in {"q", "k", "v", "log_decay", "dt", "trap", "angles", "z"}}
+    named = dict(zip(("angle_state", "ssm_state", "k_state", "v_state"), carry))
     steps = [mamba3_step_ref(**{key: (per_token[key][:, t] if key in per_token else value)
-                                for key, value in f32.items()}, state=carry, rope_pairs=pairs) for t in range(9)]
+                                for key, value in f32.items()}, **named, rope_pairs=pairs) for t in range(9)]
     y_states, states = mamba3_scan_states(**f32, initial_state=Mamba3Carry(*(t.float() for t in state)),
                                           rope_pairs=pairs, chunk_size=4)
     for b in range(2):
