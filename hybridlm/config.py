@@ -350,6 +350,15 @@ class HybridConfig(PreTrainedConfig):
         if self.shared_block_attention_adapters and self.shared_block_adapter_rank == 0:
             _fail("shared_block_attention_adapters", True, "needs shared_block_adapter_rank > 0")
 
+    def to_dict(self) -> dict:
+        """transformers' form, without ``num_hidden_layers`` (``len(layer_types)``): the base class's validation,
+        which ``Trainer.train(resume_from_checkpoint=...)`` runs on ``config.json`` through
+        ``PreTrainedConfig.from_json_file``, checks ``layer_types`` against transformers' own layer names only
+        when ``num_hidden_layers`` is present, and mixer names are not among them."""
+        config = super().to_dict()
+        config.pop("num_hidden_layers", None)
+        return config
+
     def validate(self) -> None:
         """transformers' class validators, minus its check of ``layer_types`` against its own layer names
         (ours are mixer names, checked in ``__post_init__``)."""
