@@ -9,6 +9,7 @@ import hybridlm
 
 from .compare import (
     check_all,
+    check_logits,
     check_export,
     check_export_round_trip,
     check_logits_and_continuation,
@@ -105,6 +106,8 @@ def test_rope_scalings_match_transformers(name, tmp_path):
         assert (ours(ids).logits - plain(ids).logits).abs().max() > 1e-3, "the scaling changed nothing"
     check_logits_and_continuation(hf, ours, VOCAB, 40)
     check_export(ours, tmp_path / "export", "llama")
+    ours.save_pretrained(tmp_path / "own")  # hybridlm's own format keeps the scaling
+    check_logits(ours, hybridlm.load(tmp_path / "own"), ids, atol=0.0)
 
 
 def test_dynamic_rope_past_the_original_context(tmp_path):
@@ -116,7 +119,7 @@ def test_dynamic_rope_past_the_original_context(tmp_path):
     ours = save_and_load(hf, tmp_path)
     assert ours.config.max_position_embeddings is None
     assert ours.config.rope_scaling["original_max_position_embeddings"] == 16
-    from .compare import check_logits, random_ids
+    from .compare import random_ids
 
     check_logits(hf, ours, random_ids(VOCAB, 2, 40))
     check_logits(hf, ours, random_ids(VOCAB, 2, 12))  # within the context: the base is unchanged
