@@ -9,9 +9,9 @@ import hybridlm
 
 from .compare import (
     check_all,
-    check_logits,
     check_export,
     check_export_round_trip,
+    check_logits,
     check_logits_and_continuation,
     check_settings_refused,
     checkpoint_fixture,
