@@ -21,6 +21,7 @@ from transformers import GenerationConfig, PreTrainedConfig
 
 from .config_rules import check_dtype, check_field, check_router, field_hints
 from .mixers import MIXERS, Mixer, invalid_config, mixer_class, mixer_parts, pattern_letters
+from .remote_code import AUTO_MAP
 from .shared_blocks import SharedBlock
 
 MLP_TYPES = ("dense", "moe", "none")
@@ -37,7 +38,7 @@ MOE_ROUTERS = ("softmax", "sigmoid")
 _TRANSFORMERS_KWARGS = {
     "model_type", "torch_dtype", "name_or_path", "_name_or_path", "_commit_hash", "output_attentions",
     "attn_implementation", "experts_implementation", "per_layer_config", "num_labels",
-    "_attn_implementation_internal", "_experts_implementation_internal",
+    "_attn_implementation_internal", "_experts_implementation_internal", "auto_map",
 }
 # The fields that describe the layer plan: checked before the plan is resolved.
 _PLAN_FIELDS = ("layer_types", "layer_pattern", "num_hidden_layers", "attn_layer_period", "attn_layer_offset",
@@ -357,6 +358,7 @@ class HybridConfig(PreTrainedConfig):
         when ``num_hidden_layers`` is present, and mixer names are not among them."""
         config = super().to_dict()
         config.pop("num_hidden_layers", None)
+        config["auto_map"] = AUTO_MAP  # tools load it with trust_remote_code (hybridlm.remote_code)
         return config
 
     def validate(self) -> None:

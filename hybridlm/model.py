@@ -299,7 +299,11 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         """``format="hybridlm"`` (default) writes hybridlm's own checkpoint; another ``model_type`` (e.g.
         ``"jamba"``) writes a checkpoint that transformers loads as that architecture."""
         if format == "hybridlm":
-            return super().save_pretrained(save_directory, *args, **kwargs)
+            from .remote_code import write_remote_code
+
+            super().save_pretrained(save_directory, *args, **kwargs)
+            write_remote_code(save_directory)  # what config.json's auto_map names
+            return None
         from . import formats
 
         return formats.export(self, save_directory, format)
