@@ -131,6 +131,21 @@ class HybridConfig(PreTrainedConfig):
     mamba2_inner_size: int | None = None  # SSD channels (heads * head_dim); None: mamba2_expand * hidden_size
     mamba2_norm: str = "gated"  # see MAMBA2_NORMS
 
+    # --- Mamba-3 (trapezoidal, rotary, SISO or MIMO; mamba-ssm's Mamba3) --------------------------
+    mamba3_d_state: int = 128
+    mamba3_expand: int = 2
+    mamba3_head_dim: int = 64
+    mamba3_n_groups: int = 1
+    mamba3_rope_fraction: float = 0.5  # 0.5 or 1.0: the share of the state's entries the data-dependent angles turn
+    mamba3_dt_min: float = 0.001
+    mamba3_dt_max: float = 0.1
+    mamba3_dt_init_floor: float = 1e-4
+    mamba3_a_floor: float = 1e-4  # the data-dependent A is at most -mamba3_a_floor
+    mamba3_outproj_norm: bool = False  # a per-head RMSNorm before the SiLU(z) gate (mamba-ssm's is_outproj_norm)
+    mamba3_mimo: bool = False
+    mamba3_mimo_rank: int = 4  # MIMO only
+    mamba3_chunk_size: int = 64
+
     # --- linear attention -------------------------------------------------------------------
     performer_num_features: int = 64
     performer_redraw_interval: int | None = None

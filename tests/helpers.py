@@ -9,7 +9,8 @@ from hybridlm import HybridConfig, HybridForCausalLM
 TINY = dict(
     vocab_size=61, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
     mamba_d_state=4, mamba_d_conv=4, mamba_expand=2, mamba2_d_state=8, mamba2_head_dim=16, mamba2_n_groups=2,
-    mamba2_chunk_size=8, performer_num_features=12, linformer_rank=6, linformer_max_length=256, num_experts=4,
+    mamba2_chunk_size=8, mamba3_d_state=8, mamba3_head_dim=16, mamba3_n_groups=2, mamba3_chunk_size=8,
+    performer_num_features=12, linformer_rank=6, linformer_max_length=256, num_experts=4,
     num_experts_per_tok=2, shared_expert_intermediate_size=16,
 )
 

@@ -7,6 +7,7 @@ from . import (  # noqa: F401  (each registers itself)
     linformer,
     mamba,
     mamba2,
+    mamba3,
     mla,
     performer,
     short_conv,

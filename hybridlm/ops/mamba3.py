@@ -193,9 +193,10 @@ def _prepare(q, k, v, dt, trap, angles, q_bias, k_bias, mimo_v, rope_pairs, thet
     return _Prepared(qr, kr, _up(v, mimo_v), theta, lam * dtf, share, next_share)
 
 
-def _start_states(initial_state: Mamba3Carry | None, share0: torch.Tensor, mimo_v) -> torch.Tensor | None:
+def fold_previous(initial_state: Mamba3Carry | None, share0: torch.Tensor, mimo_v=None) -> torch.Tensor | None:
     """The initial SSM state with the carried previous token's input added at the first token's share
-    (``share0 [b, h]``): what the chunked scan starts from."""
+    (``share0 [b, h]``, ``(1 - sigmoid(trap)) dt``): what the chunked scan starts from. A caller that starts a row
+    later (after padding, whose dt is 0) folds it in at its first real token and carries zero ``k, v`` instead."""
     if initial_state is None:
         return None
     prev_v = _up(initial_state.v, mimo_v)  # [b, R, h, p]
@@ -251,13 +252,13 @@ def mamba3_scan_ref(
     theta0 = initial_state.angle if initial_state is not None else None
     pre = _prepare(q, k, v, dt, trap, angles, q_bias, k_bias, mimo_v, rope_pairs, theta0, bounds)
     if bounds is None:
-        start = _start_states(initial_state, pre.share[:, 0], mimo_v) if time else None
+        start = fold_previous(initial_state, pre.share[:, 0], mimo_v) if time else None
     else:
         start = None if initial_state is None else initial_state.ssm.float().clone()
         if initial_state is not None:
             spans = nonempty_spans(bounds, v.device)
             picked = Mamba3Carry(*(t[spans.index] for t in initial_state))
-            start[spans.index] = _start_states(picked, pre.share[0, spans.starts], mimo_v)
+            start[spans.index] = fold_previous(picked, pre.share[0, spans.starts], mimo_v)
     weighted = pre.k * (pre.own + pre.next_share).unsqueeze(2).unsqueeze(-1)
     decay = F.pad(log_decay.float().unsqueeze(2), (0, 0, 0, rank - 1))  # [b, t, R, h]: the decay at r = 0
     sequences = None if bounds is None else [rank * b for b in bounds]
@@ -307,7 +308,7 @@ def mamba3_scan_states(q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, *, 
     batch, time, heads, p = v.shape
     rank = q.shape[2]
     pre = _prepare(q, k, v, dt, trap, angles, q_bias, k_bias, mimo_v, rope_pairs, initial_state.angle, None)
-    start = _start_states(initial_state, pre.share[:, 0], mimo_v)
+    start = fold_previous(initial_state, pre.share[:, 0], mimo_v)
     weighted = pre.k * (pre.own + pre.next_share).unsqueeze(2).unsqueeze(-1)
     decay = F.pad(log_decay.float().unsqueeze(2), (0, 0, 0, rank - 1))
     states = decay_scan_states(_flat(weighted), _flat(pre.v), _flat(decay), start, chunk_size * rank)

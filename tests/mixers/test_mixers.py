@@ -95,6 +95,11 @@ def expected_nbytes(kind, config, batch, tokens, element=4):
     if kind == "mamba2":
         conv = config.mamba2_d_inner + 2 * config.mamba2_n_groups * config.mamba2_d_state
         return batch * (conv * (config.mamba2_d_conv - 1) * element + 4 * config.mamba2_d_inner * config.mamba2_d_state)
+    if kind == "mamba3":  # angles and the state in fp32; the previous token's keys (per rank) and x
+        heads, dim, n = config.mamba3_expand * config.hidden_size // config.mamba3_head_dim, \
+            config.mamba3_head_dim, config.mamba3_d_state
+        angles, rank = int(n * config.mamba3_rope_fraction) // 2, config.mamba3_mimo_rank if config.mamba3_mimo else 1
+        return batch * (4 * heads * (angles + dim * n) + (rank * heads * n + heads * dim) * element)
     if kind == "performer":
         return batch * 4 * config.num_attention_heads * ((config.head_dim + 1) * config.performer_num_features + 1)
     if kind == "linformer":

@@ -88,8 +88,8 @@ def test_a_malformed_line_is_named_by_option_file_and_line(tmp_path, line):
 #: Two stacks that hold every mixer kind between them, the first with MoE layers.
 STACKS = {
     "mamba-mamba2-attention-performer-moe": dict(layer_pattern="MSAP", expert_layer_period=2, expert_layer_offset=1),
-    "linformer-deltanet-kda-mla-short_conv": dict(
-        layer_types=["linformer", "gated_deltanet", "kda", "mla", "short_conv"]),
+    "linformer-deltanet-kda-mla-short_conv-mamba3": dict(
+        layer_types=["linformer", "gated_deltanet", "kda", "mla", "short_conv", "mamba3"]),
 }
 
 
@@ -166,7 +166,7 @@ def test_every_adapter_changes_the_logits(stack):
     ("mamba-mamba2-attention-performer-moe", torch.float32, 1e-5),
     # in float32 this stack's randomised Gated DeltaNet layer amplifies rounding to ~1.3e-5 (adapter model against
     # merged weights); float64 shows the merge itself exact
-    ("linformer-deltanet-kda-mla-short_conv", torch.float64, 1e-10),
+    ("linformer-deltanet-kda-mla-short_conv-mamba3", torch.float64, 1e-10),
 ])
 def test_merged_logits_equal_the_adapter_models(stack, dtype, rel):
     from hybridlm.training.lora import lora_modules, merge_lora
