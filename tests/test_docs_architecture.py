@@ -34,7 +34,12 @@ def module_name(path: Path) -> str:
 
 
 def package_modules() -> dict[str, Path]:
-    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+    """Every importable module: files in folders that are packages (not data, such as the bundled models'
+    remote-code shims)."""
+    def importable(path: Path) -> bool:
+        return all((folder / "__init__.py").is_file() for folder in path.parents if folder.is_relative_to(PACKAGE))
+
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py")) if importable(path)}
 
 
 def tier(name: str) -> str:
