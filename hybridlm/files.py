@@ -1,4 +1,5 @@
-"""Crash-safe writes and verified reads of the files hybridlm writes (stdlib, torch and safetensors only).
+"""Crash-safe writes and verified reads of the files hybridlm writes (stdlib, torch and safetensors only, both
+imported on first use).
 
 A file is written aside (a temporary file in its directory), fsynced, renamed over the old one, and its directory
 fsynced: a kill at any point leaves the old file or the new one, whole. A directory (a training checkpoint) is
@@ -19,8 +20,10 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 MANIFEST = "manifest.json"
 
@@ -68,8 +71,9 @@ def write_file(path: str | os.PathLike, data: bytes | str) -> None:
 def save_pretrained_aside(obj, directory: str | os.PathLike, **kwargs) -> None:
     """``obj.save_pretrained(directory, **kwargs)`` with every file written aside and renamed into place."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=directory, prefix=".save_pretrained."))
+    staging = directory / ".save_pretrained.tmp"
+    shutil.rmtree(staging, ignore_errors=True)  # left by a save a kill interrupted
+    staging.mkdir(parents=True)
     try:
         obj.save_pretrained(staging, **kwargs)
         for file in sorted(staging.iterdir()):
@@ -82,6 +86,8 @@ def save_pretrained_aside(obj, directory: str | os.PathLike, **kwargs) -> None:
 
 def torch_bytes(obj) -> bytes:
     """``torch.save`` of ``obj``, as bytes."""
+    import torch
+
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
@@ -118,6 +124,8 @@ def load_safetensors(data: bytes, path: str | os.PathLike) -> tuple[dict[str, to
 
 def load_torch(data: bytes, path: str | os.PathLike):
     """The tensors-only object (``weights_only=True``) that :func:`torch_bytes` wrote, read from ``path``."""
+    import torch
+
     try:
         return torch.load(io.BytesIO(data), weights_only=True)
     except Exception as error:  # torch raises several kinds (RuntimeError, UnpicklingError, EOFError, ...)
@@ -207,7 +215,13 @@ def recoverable(final: str | os.PathLike) -> list[Path]:
 def read_manifest(directory: str | os.PathLike) -> dict | None:
     """The manifest of a published directory (None for a directory written before manifests existed)."""
     path = Path(directory) / MANIFEST
-    return read_json(path) if path.is_file() else None
+    if not path.is_file():
+        return None
+    manifest = read_json(path)
+    if not (isinstance(manifest, dict) and all(
+            isinstance(entry, dict) and entry.keys() == {"bytes", "sha256"} for entry in manifest.values())):
+        raise DamagedFileError(f"{path}: not a manifest ({{file: {{'bytes', 'sha256'}}}})")
+    return manifest
 
 
 def check_file(directory: str | os.PathLike, name: str, data: bytes, manifest: dict | None) -> bytes:

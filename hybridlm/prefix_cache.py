@@ -248,12 +248,15 @@ class PrefixCache:
         cache = cls(header["block_size"], header["max_bytes"] if max_bytes is None else max_bytes)
         cache._identity = {name: header[name] for name in ("signature", "fingerprint", "policy")}
         policy = policy_from_json(header["policy"])
-        cache.bind(model, policy)
-        template = model.new_cache(1, policy=policy)
-        if header["kinds"] is not None and list(_kinds(template)) != header["kinds"]:
-            # a compiled decoder's static caches: rebuilt on a static template (all its fields come from the file)
-            template = model.new_cache(1, max_length=1, policy=policy, static=True)
-        cache._check_kinds(template)
+        try:
+            cache.bind(model, policy)
+            template = model.new_cache(1, policy=policy)
+            if header["kinds"] is not None and list(_kinds(template)) != header["kinds"]:
+                # a compiled decoder's static caches: rebuilt on a static template (all fields come from the file)
+                template = model.new_cache(1, max_length=1, policy=policy, static=True)
+            cache._check_kinds(template)
+        except ValueError as error:
+            raise ValueError(f"PrefixCache.load: {path}: {error}") from None
         for key, blocks, parent, snapshot in load_snapshots(path, header, tensors, template):
             cache._insert(key, _Entry(snapshot, blocks, snapshot.reserved_nbytes(), parent))
         cache._evict()  # once all are in, so that no snapshot goes before the later blocks that need it

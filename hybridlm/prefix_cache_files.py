@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -62,19 +63,20 @@ def read_snapshot_file(path) -> tuple[dict, dict[str, torch.Tensor]]:
 def load_snapshots(path, header: dict, tensors: dict[str, torch.Tensor],
                    template: HybridCache) -> list[tuple[str, int, str | None, HybridCache]]:
     """The entries of the file, rebuilt on ``template`` (an empty one-row cache of the model, on its device).
-    Every tensor of the file must be used, with the dtype, rank and shape (the length aside) of the empty state's
-    tensor; a field the empty state holds no tensor in (spilled slots) is checked by name only."""
+    Every tensor of the file must be used, with the dtype and shape of the empty state's tensor (one axis, the
+    length, may differ in a state that grows with context); a field the empty state holds no tensor in (spilled
+    slots) is checked by name only."""
     device, used = template.positions.device, set()
 
-    def take(name: str, like: torch.Tensor | None) -> torch.Tensor:
+    def take(name: str, like: torch.Tensor | None, grows: bool = False) -> torch.Tensor:
         tensor = tensors.get(name)
         if tensor is None:
             raise ValueError(f"PrefixCache.load: {path} has no tensor {name!r}")
         if like is not None and (tensor.dtype != like.dtype or tensor.dim() != like.dim()
-                                 or sum(a != b for a, b in zip(tensor.shape, like.shape)) > 1):
-            raise ValueError(f"PrefixCache.load: {path}: tensor {name!r} is {tensor.dtype} "
-                             f"{tuple(tensor.shape)}, this model's is {like.dtype} {tuple(like.shape)} (at most the "
-                             "length may differ)")
+                                 or sum(a != b for a, b in zip(tensor.shape, like.shape)) > grows):
+            raise ValueError(f"PrefixCache.load: {path}: tensor {name!r} is {tensor.dtype} {tuple(tensor.shape)}, "
+                             f"this model's is {like.dtype} {tuple(like.shape)}"
+                             + (" (only the length may differ)" if grows else ""))
         used.add(name)
         return tensor.to(device)
 
@@ -84,8 +86,10 @@ def load_snapshots(path, header: dict, tensors: dict[str, torch.Tensor],
             raise ValueError(f"PrefixCache.load: {path}: snapshot {index} has {len(item['states'])} states, this "
                              f"model's cache {len(template.states)}")
         snapshot = copy.copy(template)
-        snapshot.states = [_state_from_meta(path, empty, meta, f"{index}.{layer}", take) for layer, (empty, meta)
-                           in enumerate(zip(template.states, item["states"]))]
+        layers = enumerate(zip(template.states, item["states"], template.linear))
+        snapshot.states = [_state_from_meta(path, empty, meta, f"{index}.{layer}",
+                                            functools.partial(take, grows=not fixed))
+                           for layer, (empty, meta, fixed) in layers]
         snapshot.positions, snapshot.seen = take(f"{index}.positions", template.positions), item["seen"]
         entries.append((item["key"], item["blocks"], item["parent"], snapshot))
     if used != tensors.keys():

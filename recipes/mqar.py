@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from hybridlm.files import read_json, write_file, written_aside
 from hybridlm.training.mqar import MIXER_PATTERNS, needs_state_size
 
 FULL = dict(mixers=list(MIXER_PATTERNS), widths=[64, 128], state_sizes=[16, 64],
@@ -292,7 +293,8 @@ def plot(rows: list[dict], path: Path) -> bool:
     shown = [mixer for mixer in mixers if mixer in handles]  # every mixer of every panel, in MIXER_PATTERNS order
     fig.legend([handles[mixer] for mixer in shown], shown, fontsize=8, loc="center right")
     fig.tight_layout(rect=(0, 0, 1 - 1.4 / fig.get_figwidth(), 1))  # room on the right for the legend
-    fig.savefig(path, dpi=80)
+    with written_aside(path) as temporary:
+        fig.savefig(temporary, dpi=80, format="png")
     plt.close(fig)
     return True
 
@@ -307,7 +309,7 @@ def train_grid(args) -> list[dict]:
     if (args.out / "results.json").exists() and not args.resume:
         raise SystemExit(f"{args.out}/results.json exists: pass --resume to continue that run, or another --out")
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = json.loads(results.read_text()) if args.resume and results.exists() else []
+    runs = read_json(results) if args.resume and results.exists() else []
     check_resumable(runs, args)
     done = {model_key(r) + (r["lr"],) for r in runs}
     jobs = [job for job in grid(args) if model_key(job) + (job["lr"],) not in done]
@@ -317,8 +319,8 @@ def train_grid(args) -> list[dict]:
         print(f"{run['mixer']:<14} width {run['hidden_size']:>3} state {run['state_size'] or '-':>3} "
               f"({run['seq_len']}, {run['kv_pairs']}) lr {run['lr']:.0e}: accuracy {run['accuracy']:.3f} "
               f"({run['cpu_s']:.0f} cpu s)", flush=True)
-        results.write_text(json.dumps(runs, indent=1))
-        (args.out / "results.json").write_text(json.dumps(best_per_model(runs), indent=1))
+        write_file(results, json.dumps(runs, indent=1))
+        write_file(args.out / "results.json", json.dumps(best_per_model(runs), indent=1))
     return runs
 
 
@@ -327,10 +329,10 @@ def main(argv=None) -> list[dict]:
     if args.report:
         if not (args.out / "runs.json").exists():
             raise SystemExit(f"--report: {args.out}/runs.json does not exist")
-        runs = json.loads((args.out / "runs.json").read_text())
+        runs = read_json(args.out / "runs.json")
         if mixed := mixed_settings(runs):  # runs.json files joined from several OUTs: one table, one experiment
             raise SystemExit(f"--report: {args.out}/runs.json mixes settings: {_recorded(runs, mixed)}")
-        (args.out / "results.json").write_text(json.dumps(best_per_model(runs), indent=1))
+        write_file(args.out / "results.json", json.dumps(best_per_model(runs), indent=1))
     else:
         runs = train_grid(args)
     rows = best_per_model(runs)

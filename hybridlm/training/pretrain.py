@@ -148,6 +148,13 @@ def _run_settings(args, rows) -> dict:
             "training rows (--data)": hashlib.sha1(rows.ids.numpy().tobytes()).hexdigest()}
 
 
+def record_settings(out: Path, settings: dict) -> None:
+    """Write ``settings`` to ``OUT/run_settings.json`` (crash-safely), for :func:`check_same_settings`."""
+    from ..files import write_file
+
+    write_file(out / RUN_SETTINGS, json.dumps(settings, indent=1))
+
+
 def check_same_settings(out: Path, settings: dict) -> None:
     """``--resume`` continues exactly only with the settings of the run in ``out``: refuse others, naming them
     (a run written before this file existed is not checked)."""
@@ -170,7 +177,7 @@ def run(args) -> dict:
     """Validate, prepare the data, train, save the model with its tokenizer; returns the last metrics."""
     import torch
 
-    from ..files import save_pretrained_aside, write_file
+    from ..files import save_pretrained_aside
     from .checkpoint import check_new_run, check_resumable, existing_checkpoint, recover_checkpoint
     from .distributed import SingleProcess, from_environment
     from .evaluation import HeldOut
@@ -208,7 +215,7 @@ def run(args) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         if not args.resume:  # a resumed run loaded both from OUT
             save_pretrained_aside(tokenizer, out)
-            write_file(out / RUN_SETTINGS, json.dumps(settings, indent=1))
+            record_settings(out, settings)
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, layers {model.config.layer_types}")
         print(f"data: {len(rows)} rows x {args.seq_len} tokens for training ({len(corpus.train)} documents), "
               f"{len(held_out.rows)} held-out rows; {1 / held_out.tokens_per_byte:.2f} bytes per token")

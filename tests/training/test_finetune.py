@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridlm.training.finetune import DEFAULT_CHAT_TEMPLATE, encode_example, main, pack_examples, read_examples
+from hybridlm.training.finetune import (
+    DEFAULT_CHAT_TEMPLATE,
+    encode_example,
+    main,
+    pack_examples,
+    read_examples,
+    with_targets,
+)
 from hybridlm.training.loop import evaluate
 from hybridlm.training.tokenizer import train_bpe_tokenizer
 
@@ -83,6 +90,37 @@ def test_a_malformed_line_is_named_by_option_file_and_line(tmp_path, line):
         read_examples(path, "--eval-data")
     with pytest.raises(FileNotFoundError, match="--eval-data .*missing.jsonl: no such file"):
         read_examples(tmp_path / "missing.jsonl", "--eval-data")
+
+
+def test_a_line_that_is_not_utf8_is_named_by_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(PAIRS[0]).encode() + b"\n" + '{"prompt": "café", "response": "x"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=f"--data {path}:2: not UTF-8 text"):
+        read_examples(path)
+
+
+def test_examples_cut_by_seq_len_are_counted_and_those_left_without_a_target_dropped(tokenizer, capsys):
+    """Cut to --seq-len, an example with a long response keeps its first response tokens; one whose prompt fills
+    the row keeps none, and trains nothing: it is left out (a row of such examples alone would have no target)."""
+    short, long_response, long_prompt = ({"prompt": "def f(x):\n", "response": "    return x\n"},
+                                         {"prompt": "def f(x):\n", "response": "    return x\n" * 20},
+                                         {"prompt": "def f(x):\n" * 20, "response": "    return x\n"})
+    encoded = [encode_example(tokenizer, e) for e in (short, long_response, long_prompt)]
+    seq_len = len(encoded[0][0]) + 1
+    assert len(encoded[1][0]) > seq_len and not any(encoded[2][1][:seq_len])
+    kept, counts = with_targets(encoded, seq_len)
+    assert kept == encoded[:2]
+    assert counts == {"examples_cut": 2, "examples_without_target": 1}
+    assert capsys.readouterr().out == (f"--data: 2 of 3 examples are longer than --seq-len {seq_len} and were cut; "
+                                       "1 of them kept no response token and are left out\n")
+
+
+def test_fine_tuning_is_refused_when_no_example_keeps_a_target(tokenizer, tmp_path):
+    config, tokenizer_dir = _config_and_tokenizer(tmp_path, tokenizer, "SA")
+    data = _write_jsonl(tmp_path / "d.jsonl", [dict(e, prompt=e["prompt"] * 20) for e in PAIRS])
+    with pytest.raises(ValueError, match="--data: none of the 27 examples keeps a response token within --seq-len 64"):
+        main(["--model", str(config), "--tokenizer", str(tokenizer_dir)] + _common(tmp_path, data))
+    assert not (tmp_path / "out").exists()
 
 
 #: Two stacks that hold every mixer kind between them, the first with MoE layers.
