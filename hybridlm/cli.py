@@ -42,18 +42,22 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         text = action.help or ""
         default = action.default
         stated = default is not None and default is not False and default != argparse.SUPPRESS
-        if stated and "%(default)" not in text and action.option_strings:
-            shown = " ".join(map(str, default)) if isinstance(default, list) else "%(default)s"
+        if stated and "%(default)" not in text and "(default: " not in text and action.option_strings:
+            if isinstance(default, list):
+                shown = " ".join(map(str, default))
+            elif isinstance(default, str) and not default.isprintable():  # a newline would print as a space
+                shown = repr(default).replace("%", "%%")
+            else:
+                shown = "%(default)s"
             text += f" (default: {shown})"
         return text
 
 
 def build_parser() -> argparse.ArgumentParser:
-    summary = "\n".join(f"  {name:<10} {cmd.help}" for name, cmd in COMMANDS.items())
     parser = argparse.ArgumentParser(
         prog="hybridlm", formatter_class=_HelpFormatter,
         description="Hybrid Transformer-SSM language models: try, inspect, benchmark, run and convert them.",
-        epilog=f"commands:\n{summary}\n\n'hybridlm COMMAND --help' lists the options of one command.")
+        epilog="'hybridlm COMMAND --help' lists the options of one command.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():
         sub = commands.add_parser(name, help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter)
@@ -103,19 +107,19 @@ def main(argv: list[str] | None = None) -> None:
                                                   "compile, 10-60 s on a CPU)"),
 )
 def run_generate(args) -> None:
-    model, tokenizer, directory = _model_and_tokenizer(args.model)
+    if args.prompt is None and not args.ids:
+        raise ValueError("give --prompt TEXT or --ids 1,2,3")  # before the weights are loaded
     if args.chat and args.prompt is None:
         raise ValueError("--chat sends --prompt as a chat message: give --prompt")
+    model, tokenizer, directory = _model_and_tokenizer(args.model)
     if args.prompt is not None:
         if tokenizer is None:
             raise ValueError(f"--prompt needs tokenizer files in {directory} (this model has "
                              f"{model.config.vocab_size} tokens, so it is not byte-level); give --ids instead")
         prompt_ids = chat_prompt(tokenizer, args.prompt) if args.chat else \
             tokenizer(args.prompt, add_special_tokens=False)["input_ids"]
-    elif args.ids:
-        prompt_ids = args.ids
     else:
-        raise ValueError("give --prompt TEXT or --ids 1,2,3")
+        prompt_ids = args.ids
     eos = model.config.eos_token_id
     stops = [eos] if isinstance(eos, int) else list(eos or [])
     if getattr(tokenizer, "eos_token_id", None) is not None and tokenizer.eos_token_id not in stops:

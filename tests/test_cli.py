@@ -3,6 +3,7 @@
 import argparse
 import copy
 import json
+import re
 import subprocess
 import sys
 
@@ -281,6 +282,7 @@ def test_every_option_has_help_with_its_default():
                 assert "default" in text or "without it" in text, f"{where}: help does not state the default: {text!r}"
             if action.default is not None and action.default is not False:
                 shown = " ".join(map(str, action.default)) if isinstance(action.default, list) else str(action.default)
+                shown = repr(shown) if not shown.isprintable() else shown  # a newline is shown escaped
                 assert shown in text, f"{where}: help does not show the default {action.default!r}"
 
 
@@ -357,3 +359,22 @@ def test_timing_reports_min_and_median_after_warmup():
     assert len(calls) == 7 and 0 <= timing.min_ms <= timing.median_ms
     with pytest.raises(ValueError, match="repeats"):
         time_calls(lambda: None, repeats=0)
+
+
+def test_help_lists_each_command_once(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for name in COMMANDS:
+        assert len(re.findall(rf"^\s+{re.escape(name)}\b", out, flags=re.M)) == 1, name
+
+
+def test_a_default_with_a_newline_is_shown_escaped(capsys):
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    assert "fibonacci(n):\\n')" in capsys.readouterr().out  # the old help printed "fibonacci(n): )"
+
+
+def test_generate_without_a_prompt_refuses_before_loading_weights(tmp_path):
+    code, err, modules = modules_after(["generate"])
+    assert code == 2 and "give --prompt TEXT or --ids" in err and "torch" not in modules
