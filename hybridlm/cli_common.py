@@ -43,11 +43,12 @@ def add_options(parser: argparse.ArgumentParser, options) -> argparse.ArgumentPa
 
 
 def run_reporting_bad_input(prog: str, run: Callable, *args):
-    """``run(*args)``; bad input (ValueError, TypeError, OSError) ends the program with one line ``prog: message``
-    on stderr and exit status 2, not a traceback (``hybridlm`` and the training recipes)."""
+    """``run(*args)``; bad input (ValueError, TypeError, OSError) or a missing optional extra (ImportError, whose
+    message says what to install) ends the program with one line ``prog: message`` on stderr and exit status 2,
+    not a traceback (``hybridlm`` and the training recipes)."""
     try:
         return run(*args)
-    except (ValueError, TypeError, OSError) as error:
+    except (ValueError, TypeError, OSError, ImportError) as error:
         print(f"{prog}: {error}", file=sys.stderr)
         raise SystemExit(2) from error
 

@@ -378,3 +378,22 @@ def test_a_default_with_a_newline_is_shown_escaped(capsys):
 def test_generate_without_a_prompt_refuses_before_loading_weights(tmp_path):
     code, err, modules = modules_after(["generate"])
     assert code == 2 and "give --prompt TEXT or --ids" in err and "torch" not in modules
+
+
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    """``finetune --lora`` without peft, ``generate`` from a GGUF file without gguf: one line saying what to
+    install, exit status 2, no traceback."""
+    from hybridlm import bundled_model_dir
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
+    with pytest.raises(SystemExit) as exit_:
+        main(["finetune", "--model", str(bundled_model_dir()), "--data", "docstrings", "--lora", "4", "--steps", "1",
+              "--out", str(tmp_path / "out")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "hybridlm finetune: LoRA needs peft: pip install 'hybridlm[lora]'"
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--model", str(tmp_path / "m.gguf"), "--ids", "1"])
+    assert "pip install 'hybridlm[gguf]'" in capsys.readouterr().err.strip().splitlines()[-1]
