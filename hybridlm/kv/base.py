@@ -39,6 +39,10 @@ class KVView:
     attend: Callable[[torch.Tensor, float | None], torch.Tensor] | None = None
 
 
+#: What a :class:`~hybridlm.CachePolicy` may ask of a layer's layout (:attr:`KVLayout.policy_features`).
+POLICY_FEATURES = frozenset({"kv_bits", "window", "heavy_hitters", "page_size"})
+
+
 class KVLayout(LayerState):
     """Base of the attention states (one subclass per layout: contiguous, ring window, sinks + window,
     quantized, heavy hitters). A layout stores keys and values its own way and answers :meth:`update`.
@@ -51,6 +55,11 @@ class KVLayout(LayerState):
     needs_attention_probs: ClassVar[bool] = False
     #: False for a layout whose :meth:`update` takes one latent per token as ``keys`` and ``values=None`` (MLA)
     takes_values: ClassVar[bool] = True
+    #: the :data:`POLICY_FEATURES` a policy may replace this layout with, when it is a layer's default state
+    policy_features: ClassVar[frozenset[str]] = frozenset()
+    #: why the layout may stay as it is under a policy asking for other features (the policy then applies to the
+    #: other layers, with a warning); None: such a policy is refused
+    kept_under_policy: ClassVar[str | None] = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                rotate: Rotate | None, mask: torch.Tensor | None) -> KVView:
@@ -128,6 +137,8 @@ class KVState(DenseKV):
     padding: torch.Tensor
     length: int = 0
     has_padding: bool = False
+
+    policy_features = POLICY_FEATURES
 
     @classmethod
     def empty(cls, batch_size, kv_heads, head_dim, *, capacity=0, device=None, dtype=None):

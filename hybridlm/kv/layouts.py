@@ -139,6 +139,8 @@ class RingKV(_WindowKV):
     seen: int = 0
     has_padding: bool = False
 
+    kept_under_policy = "a layer's own sliding window is bounded already, and no policy may let it see beyond it"
+
     @classmethod
     def empty(cls, batch_size, kv_heads, head_dim, *, window, device=None, dtype=None) -> RingKV:
         return cls(*_zeros(batch_size, kv_heads, window, head_dim, device, dtype), window=window)

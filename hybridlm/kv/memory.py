@@ -73,12 +73,21 @@ def _kv_layouts(cache) -> list[tuple[str, KVLayout]]:
     return found
 
 
+def _quantizable(state) -> bool:
+    """Whether ``state`` holds KV layouts and every one of them takes ``kv_bits``."""
+    parts = state.parts.values() if isinstance(state, StateGroup) else [state]
+    layouts = [part for part in parts if isinstance(part, KVLayout)]
+    return bool(layouts) and all("kv_bits" in part.policy_features for part in layouts)
+
+
 def memory_rows(config: HybridConfig, contexts: list[int], batch: int = 1, kv_bits: list[int] = (16,),
                 name: str = "model") -> list[dict]:
     """One row per (kv_bits, context): ``bytes_per_token`` (attention KV growth per token, averaged up to the
     context), ``bytes_per_request`` (everything the cache holds at that context), ``kv_bytes``, ``fixed_bytes``
     (states that do not grow), ``by_kind`` (bytes held per layer kind), ``bytes_per_token_by_kind`` (the
-    growth per token of each growing kind: attention, mla, shared attention) and ``weight_bytes``."""
+    growth per token of each growing kind: attention, mla, shared attention) and ``weight_bytes``. ``kv_bits``
+    quantizes the layouts that take it (``KVLayout.policy_features``); the others (MLA latents, sliding-window
+    rings) are counted as they are."""
     from ..model import HybridForCausalLM
 
     for value, field in [(batch, "batch"), *((c, "context") for c in contexts)]:
@@ -88,8 +97,10 @@ def memory_rows(config: HybridConfig, contexts: list[int], batch: int = 1, kv_bi
         model = HybridForCausalLM(config)
     weight_bytes = sum(p.numel() for p in model.parameters()) * 2
     rows = []
+    default = model.new_cache(batch, device="meta", dtype=torch.bfloat16)
     for bits in kv_bits:
-        policy = None if bits == 16 else CachePolicy(kv_bits=bits)
+        policy = None if bits == 16 else {index: CachePolicy(kv_bits=bits) for index, state in
+                                          enumerate(default.states) if _quantizable(state)}
         cache = model.new_cache(batch, device="meta", dtype=torch.bfloat16, policy=policy)
         layouts = _kv_layouts(cache)
         empty_kv = sum(layout.predicted_nbytes(0) for _, layout in layouts)

@@ -13,10 +13,13 @@ default (``CachePolicy()``)       :class:`~hybridlm.cache.KVState` (contiguous, 
 ``page_size``                     :class:`~hybridlm.kv.paged.PagedKV` (pages from a shared pool, copy-on-write)
 ================================  ==================================================
 
-A layer with its own ``sliding_window`` keeps its ring (:class:`~hybridlm.kv.layouts.RingKV`): it is bounded
-already, and a policy must not let it see beyond its window. Quantization combines with sinks + window (or a
-window alone) but not with heavy hitters, and paging with neither: asking for those is an error. A policy is fixed
-for the life of a cache.
+Which layouts a policy may replace is each layout class's own answer (:attr:`KVLayout.policy_features`): the
+contiguous layout takes every feature. A layer with its own ``sliding_window`` keeps its ring
+(:class:`~hybridlm.kv.layouts.RingKV`, with a warning): it is bounded already, and a policy must not let it see
+beyond its window. MLA's latent cache (:class:`~hybridlm.kv.latent.LatentKV`) takes none: a policy reaching it
+is refused, naming it (give such layers no policy: ``{layer: CachePolicy}`` for the others). Quantization
+combines with sinks + window (or a window alone) but not with heavy hitters, and paging with neither: asking for
+those is an error. A policy is fixed for the life of a cache.
 """
 
 from __future__ import annotations
@@ -83,8 +86,15 @@ class CachePolicy:
                                  "heavy_hitters is not supported; a paged cache holds every token in full precision")
 
     @property
+    def features(self) -> frozenset[str]:
+        """The :data:`~hybridlm.kv.base.POLICY_FEATURES` this policy asks of a layout (none: the default)."""
+        asked = {"kv_bits": self.kv_bits != 16, "window": self.window is not None,
+                 "heavy_hitters": self.heavy_hitters is not None, "page_size": self.page_size is not None}
+        return frozenset(name for name, on in asked.items() if on)
+
+    @property
     def is_default(self) -> bool:
-        return self.kv_bits == 16 and self.window is None and self.page_size is None
+        return not self.features
 
     def layout(self, template: KVState, capacity: int | None = None) -> KVLayout:
         """The empty state this policy gives an attention layer whose default state is ``template``; a paged
@@ -125,19 +135,36 @@ def apply_policy(states: list[LayerState], policy: CachePolicy | Mapping[int, Ca
         if not isinstance(index, int) or not 0 <= index < len(states) or not isinstance(layer_policy, CachePolicy):
             raise ValueError(f"cache_policy: {{layer: CachePolicy}} needs layers in [0, {len(states)}), got "
                              f"{index!r}: {type(layer_policy).__name__}")
-    replaced = [_apply(state, per_layer.get(i), capacity) for i, state in enumerate(states)]
-    if not any(_has_attention(state) for state in states) and not all(p.is_default for p in per_layer.values()):
+    replaced = [_apply(state, per_layer.get(i), capacity, f"state {i}") for i, state in enumerate(states)]
+    idle = [i for i, layer_policy in per_layer.items() if not layer_policy.is_default and not _has_attention(states[i])]
+    if isinstance(policy, Mapping) and idle:
+        _say_once(f"cache_policy: states {idle} hold no attention keys and values; their policies change nothing")
+    elif idle and not any(_has_attention(state) for state in states):
         _say_once("cache_policy: this model has no attention layers; the policy changes nothing")
     return replaced
 
 
-def _apply(state: LayerState, policy: CachePolicy | None, capacity: int | None) -> LayerState:
-    if policy is None:
+def _apply(state: LayerState, policy: CachePolicy | None, capacity: int | None, where: str) -> LayerState:
+    """``state`` under ``policy``: the policy's layout where the state's class takes every feature asked; else the
+    state itself (warned) where its class says why it may stay, and a ValueError naming it otherwise."""
+    if policy is None or policy.is_default:
         return state
     if isinstance(state, StateGroup):
-        parts = {name: _apply(part, policy, capacity) for name, part in state.parts.items()}
+        parts = {name: _apply(part, policy, capacity, f"{where} ({name})") for name, part in state.parts.items()}
         return state if all(parts[name] is part for name, part in state.parts.items()) else StateGroup(parts)
-    return policy.layout(state, capacity) if isinstance(state, KVState) else state
+    if not isinstance(state, KVLayout):
+        return state
+    missing = sorted(policy.features - state.policy_features)
+    if not missing:
+        return policy.layout(state, capacity)
+    layout, asked = type(state).__name__, " + ".join(missing)
+    if state.kept_under_policy is None:
+        takes = ", ".join(sorted(state.policy_features)) or "no policy"
+        raise ValueError(f"cache_policy: {asked} cannot apply to {where}, a {layout} (it takes {takes}); give that "
+                         "layer no policy ({layer: CachePolicy} for the others)")
+    _say_once(f"cache_policy: {asked} is not applied to {layout} layers, which stay as they are: "
+              f"{state.kept_under_policy}")
+    return state
 
 
 def _has_attention(state: LayerState) -> bool:

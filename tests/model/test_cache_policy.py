@@ -12,11 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridlm import CachePolicy
+from hybridlm.cache import KVState
 from hybridlm.generation import IncrementalDecoder
 from hybridlm.kv import HeavyHitterKV, RingKV, SinkWindowKV
 from hybridlm.kv import policy as policy_module
+from hybridlm.kv.memory import memory_rows
 from hybridlm.mixers.attention import Attention
 from tests.helpers import assert_close_rel, random_ids, tiny_config, tiny_model
+from tests.mixers.test_mla import SIZES as MLA_SIZES
 
 BOUNDED = {
     "sinks+window": CachePolicy(sink_tokens=3, window=9),
@@ -219,3 +222,47 @@ def test_per_layer_policy():
     model = tiny_model(layer_pattern="AMA")
     cache = model.new_cache(1, policy={2: CachePolicy(window=6)})
     assert type(cache.states[0]).__name__ == "KVState" and isinstance(cache.states[2], SinkWindowKV)
+
+
+def said(make) -> list[str]:
+    """The warnings ``make()`` gives, each said once."""
+    policy_module._said.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make()
+    return [str(w.message) for w in caught]
+
+
+def test_a_policy_reaching_mla_latents_is_refused_naming_the_layout():
+    model = tiny_model(layer_types=["mla", "attention"], **{**MLA_SIZES, "head_dim": 8, "num_key_value_heads": 1})
+    for policy in (CachePolicy(kv_bits=4, kv_group_size=4), CachePolicy(sink_tokens=2, window=8),
+                   CachePolicy(heavy_hitters=2, window=4), CachePolicy(page_size=4)):
+        with pytest.raises(ValueError, match=r"cannot apply to state 0, a LatentKV \(it takes no policy\); give "
+                                             "that layer no policy"):
+            model.new_cache(1, policy=policy)
+    cache = model.new_cache(1, policy={1: CachePolicy(sink_tokens=2, window=8)})
+    assert [type(state).__name__ for state in cache.states] == ["LatentKV", "SinkWindowKV"]
+
+
+def test_what_a_policy_replaces_is_the_layout_classes_answer(monkeypatch):
+    model = tiny_model(layer_pattern="A")
+    monkeypatch.setattr(KVState, "policy_features", frozenset({"window"}))
+    assert isinstance(model.new_cache(1, policy=CachePolicy(window=8)).states[0], SinkWindowKV)
+    with pytest.raises(ValueError, match=r"kv_bits cannot apply to state 0, a KVState \(it takes window\)"):
+        model.new_cache(1, policy=CachePolicy(kv_bits=4, kv_group_size=4))
+
+
+def test_states_a_policy_leaves_as_they_are_are_warned_about_once():
+    windowed = tiny_model(layer_pattern="AMA", sliding_window=4)
+    messages = said(lambda: [windowed.new_cache(1, policy=CachePolicy(kv_bits=4, kv_group_size=4)) for _ in "ab"])
+    assert messages == ["cache_policy: kv_bits is not applied to RingKV layers, which stay as they are: a layer's "
+                        "own sliding window is bounded already, and no policy may let it see beyond it"]
+    messages = said(lambda: tiny_model(layer_pattern="AM").new_cache(1, policy={1: CachePolicy(window=4)}))
+    assert messages == ["cache_policy: states [1] hold no attention keys and values; their policies change nothing"]
+
+
+def test_the_memory_report_quantizes_the_layouts_that_take_kv_bits():
+    config = tiny_config(layer_types=["mla", "attention"], **{**MLA_SIZES, "hidden_size": 96, "num_key_value_heads": 3})
+    full, quantized = (row["bytes_per_token_by_kind"] for row in memory_rows(config, [4096], kv_bits=[16, 4]))
+    assert quantized["mla"] == full["mla"] == (MLA_SIZES["mla_kv_lora_rank"] + MLA_SIZES["mla_qk_rope_head_dim"]) * 2
+    assert 0 < quantized["attention"] < full["attention"] / 2  # 4-bit codes and their scales, a full-precision tail
