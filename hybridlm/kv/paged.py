@@ -79,11 +79,14 @@ class PagedKV(DenseKV):
         return sum(1 for count in self.refs if count)
 
     def nbytes(self) -> int:
-        entries = sum(map(len, self.tables))
-        return self.pages_in_use() * self.page_nbytes + TABLE_ENTRY_BYTES * entries + _tensor_nbytes(self.padding)
+        return self.pages_in_use() * self.page_nbytes + self._table_nbytes() + _tensor_nbytes(self.padding)
 
     def reserved_nbytes(self) -> int:
-        return LayerState.nbytes(self)
+        """The whole pool (free pages included), the block tables and the padding counters."""
+        return LayerState.nbytes(self) + self._table_nbytes()
+
+    def _table_nbytes(self) -> int:
+        return TABLE_ENTRY_BYTES * sum(map(len, self.tables))
 
     def predicted_nbytes(self, tokens: int) -> int:
         """Every row holding ``tokens`` real tokens in pages of its own (no padding, no sharing)."""

@@ -58,11 +58,19 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return ((packed[..., None, :] >> shifts) & (2**bits - 1)).flatten(-2)  # [..., per_byte, m] -> [..., n]
 
 
-def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric quantization of ``x`` with one scale and zero point per slice along ``dim``: codes (uint8,
     same shape), and ``scale, zero`` with ``dim`` kept as size 1. ``x ~= codes * scale + zero``, off by at most
-    ``scale / 2`` (plus rounding of the arithmetic)."""
-    low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    ``scale / 2`` (plus rounding of the arithmetic). ``valid`` (None, or bool broadcastable to ``x``): only these
+    entries set a slice's range (padding must not change a row's codes); a slice with none gets scale and zero 0,
+    and the codes of the others are clamped into the range."""
+    if valid is None:
+        low, high = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    else:
+        some = valid.any(dim, keepdim=True)
+        low = x.masked_fill(~valid, torch.inf).amin(dim, keepdim=True).where(some, 0.0)
+        high = x.masked_fill(~valid, -torch.inf).amax(dim, keepdim=True).where(some, 0.0)
     scale = (high - low) / (2**bits - 1)
     codes = ((x - low) / scale.clamp_min(torch.finfo(x.dtype).tiny)).round().clamp_(0, 2**bits - 1)
     return codes.to(torch.uint8), scale, low
@@ -72,14 +80,26 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> 
     return codes.to(scale.dtype) * scale + zero
 
 
-def roundtrip(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``keys, values [batch, heads, n, head_dim]`` (``n`` whole groups of tokens) quantized as KIVI quantizes
-    them and dequantized: what reading them from codes gives."""
+def quantize_groups(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int,
+                    valid: torch.Tensor | None = None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """KIVI's two directions over ``keys, values [batch, heads, n, head_dim]`` (``n`` whole groups of tokens):
+    ``(codes [b, h, n / group, group, d], scale, zero [b, h, n / group, 1, d])`` of the keys per channel over
+    blocks of tokens, ``(codes [b, h, n, d / group, group], scale, zero [b, h, n, d / group, 1])`` of the values
+    per token over groups of channels. ``valid [batch, 1, n]`` (None: all): the tokens that set a key block's
+    range; a value group is one token's own."""
     batch, heads, n, dim = keys.shape
-    key_codes, key_scale, key_zero = quantize(keys.reshape(batch, heads, n // group, group, dim), bits, 3)
-    value_codes, value_scale, value_zero = quantize(values.reshape(batch, heads, n, dim // group, group), bits, 4)
-    return (dequantize(key_codes, key_scale, key_zero).view(batch, heads, n, dim),
-            dequantize(value_codes, value_scale, value_zero).view(batch, heads, n, dim))
+    blocks = (batch, heads, n // group, group, dim)
+    key_valid = None if valid is None else valid.reshape(batch, 1, n // group, group, 1)
+    return (quantize(keys.reshape(blocks), bits, 3, key_valid),
+            quantize(values.reshape(batch, heads, n, dim // group, group), bits, 4))
+
+
+def roundtrip(keys: torch.Tensor, values: torch.Tensor, bits: int, group: int,
+              valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``keys, values [batch, heads, n, head_dim]`` (``n`` whole groups of tokens) quantized as KIVI quantizes
+    them (``valid``: see :func:`quantize_groups`) and dequantized: what reading them from codes gives."""
+    key_parts, value_parts = quantize_groups(keys, values, bits, group, valid)
+    return dequantize(*key_parts).view(keys.shape), dequantize(*value_parts).view(values.shape)
 
 
 def _grown(buffer: torch.Tensor, used: int, needed: int) -> torch.Tensor:
@@ -254,10 +274,11 @@ class QuantizedKV(KVLayout):
         count = self._canonical_left(first + time - 1) - self._left()
         if count <= 0:
             return None
-        keys, values = roundtrip(self.recent_keys[:, :, :count], self.recent_values[:, :, :count], self.bits,
-                                 self.group)
         start = self._tail_start()
-        return keys, values, torch.arange(start, start + count, device=keys.device)
+        slots = torch.arange(start, start + count, device=self.recent_keys.device)
+        keys, values = roundtrip(self.recent_keys[:, :, :count], self.recent_values[:, :, :count], self.bits,
+                                 self.group, self._validity(slots))
+        return keys, values, slots
 
     def keep_checkpoints(self, tokens: int) -> None:
         self.spill_limit, self.spilled_keys, self.spilled_values = tokens, None, None
@@ -367,9 +388,10 @@ class QuantizedKV(KVLayout):
         q, blocks, group = self.quantized, self.quantized // self.group, self.group
         keys, values = self.recent_keys[:, :, :aged], self.recent_values[:, :, :aged]
         self._spill(keys, values)
-        key_codes, key_scale, key_zero = quantize(keys.reshape(batch, heads, aged // group, group, dim), self.bits, 3)
-        value_codes, value_scale, value_zero = quantize(values.reshape(batch, heads, aged, dim // group, group),
-                                                        self.bits, 4)
+        start = self._tail_start()
+        valid = self._validity(torch.arange(start, start + aged, device=keys.device))
+        (key_codes, key_scale, key_zero), (value_codes, value_scale, value_zero) = quantize_groups(
+            keys, values, self.bits, group, valid)
         for name, used, rows, data in [
             ("key_codes", q, aged, pack(key_codes.view(batch, heads, aged, dim), self.bits)),
             ("value_codes", q, aged, pack(value_codes.view(batch, heads, aged, dim), self.bits)),

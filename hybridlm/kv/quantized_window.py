@@ -173,19 +173,21 @@ class QuantizedSinkWindowKV(QuantizedKV):
             drop = self.group * min(aged, unseen)
             if drop:  # the view handed out is a copy (torch.cat), so the tail may change under it
                 self._spill(self.recent_keys[:, :, :drop], self.recent_values[:, :, :drop])
-                self.recent_keys, self.recent_values = self.recent_keys[:, :, drop:], self.recent_values[:, :, drop:]
+                self.recent_keys, self.recent_values = (t[:, :, drop:].clone() for t in (self.recent_keys,
+                                                                                         self.recent_values))
                 self.recent -= drop
                 self.evicted += drop
 
     def _evict(self, horizon: int) -> None:
-        """Drop the oldest quantized groups that no query from slot ``horizon`` on sees."""
+        """Drop the oldest quantized groups that no query from slot ``horizon`` on sees. The buffers kept are
+        copies, not views: a later forward writes into them in place, perhaps in another grad mode."""
         tokens = self._evicted_after(horizon, self._left()) - self.evicted
         if tokens <= 0:
             return
         blocks = tokens // self.group
         for name in ("key_codes", "value_codes", "value_scale", "value_zero"):
-            setattr(self, name, getattr(self, name)[:, :, tokens:])
-        self.key_scale, self.key_zero = self.key_scale[:, :, blocks:], self.key_zero[:, :, blocks:]
+            setattr(self, name, getattr(self, name)[:, :, tokens:].clone())
+        self.key_scale, self.key_zero = self.key_scale[:, :, blocks:].clone(), self.key_zero[:, :, blocks:].clone()
         self.quantized -= tokens
         self.evicted += tokens
 
