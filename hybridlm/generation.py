@@ -116,7 +116,7 @@ class IncrementalDecoder:
         self.model = model
         self.prefill_chunk_size = prefill_chunk_size
         self.cache_policy = cache_policy
-        self.prefix_cache = bind_prefix_cache(prefix_cache, model, cache_policy)
+        self.prefix_cache = bind_prefix_cache(prefix_cache, model, cache_policy, prefill_chunk_size)
         if speculative is not None:
             speculative.check_target(model)
         self.speculative = speculative

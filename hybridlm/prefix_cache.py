@@ -19,6 +19,11 @@ fixed-size states per block. Eviction is least recently used first among the las
 >>> decoder = IncrementalDecoder(model, prefix_cache=cache)
 >>> decoder.generate([system + question], max_new_tokens=32); decoder.stats["prefix_hit_tokens"]
 
+Layouts whose outputs depend on where prefill is cut (``chunk_dependent``: H2O, KIVI, sinks + window) need a
+``prefill_chunk_size`` that divides ``block_size``: prefill is then cut at every multiple of the chunk size, as
+a decoder without a prefix cache cuts it, so turning the cache on changes no output. Any other chunk size is
+refused under them (with other layouts the outputs agree to rounding).
+
 Limits: the last prompt token is always prefilled (its logits start decoding), so a hit covers at most
 ``(length - 1) // block_size`` blocks; rows of a batch share one hit length (the longest prefix every row has
 cached) and padded batches (prompts of different lengths) are refused, as are batches of several rows with
@@ -72,6 +77,7 @@ class PrefixCache:
         self._model: weakref.ref | None = None
         self._one_row = False  # the model's cache has per-cache host-side tables (paged KV): batch 1 only
         self._kinds: tuple[str, ...] | None = None  # the state types of the caches it serves (static or not)
+        self._chunk_dependent: list[str] = []  # the layouts whose outputs depend on where prefill is cut
 
     # --- sizes ----------------------------------------------------------------------------------
 
@@ -108,6 +114,19 @@ class PrefixCache:
             raise ValueError(self._budget_message(one_block))
         self._identity, self._model = identity, weakref.ref(model)
         self._one_row = any(snapshots.has_host_tables(state) for state in probe.states)
+        self._chunk_dependent = sorted({type(part).__name__ for state in probe.states for part in snapshots.parts(state)
+                                      if part.chunk_dependent})
+
+    def check_chunking(self, prefill_chunk_size: int) -> None:
+        """Under a layout whose outputs depend on where prefill is cut, ``prefill_chunk_size`` must divide
+        ``block_size``, so that prefill cuts the same places with and without this cache (call :meth:`bind`
+        first)."""
+        if self._chunk_dependent and self.block_size % prefill_chunk_size:
+            fits = max(d for d in range(1, min(prefill_chunk_size, self.block_size) + 1) if self.block_size % d == 0)
+            raise ValueError(f"prefix_cache: the outputs of {', '.join(self._chunk_dependent)} depend on where prefill "
+                             f"is cut, so prefill_chunk_size={prefill_chunk_size} must divide block_size="
+                             f"{self.block_size} (prefill then cuts the same places with and without the prefix "
+                             f"cache); use prefill_chunk_size={fits}")
 
     def _budget_message(self, one_block: int) -> str:
         return (f"PrefixCache: max_bytes={self.max_bytes:,} is below one block's snapshot ({one_block:,} bytes for "
@@ -146,6 +165,7 @@ class PrefixCache:
         every new block boundary; returns ``(cache, logits [batch, vocab])`` of the last position and sets
         ``decoder.stats["prefix_hit_tokens"]`` and ``["prefill_tokens"]`` (per row)."""
         self.bind(decoder.model, decoder.cache_policy)
+        self.check_chunking(decoder.prefill_chunk_size)
         if mask is not None and not bool(mask.all()):
             raise ValueError("prefix_cache: prompts of different lengths (left-padded rows) are not supported; "
                              "pass prompts of one length, or one prompt per call")
@@ -263,14 +283,15 @@ class PrefixCache:
         return cache
 
 
-def bind_prefix_cache(prefix_cache, model, cache_policy) -> PrefixCache | None:
+def bind_prefix_cache(prefix_cache, model, cache_policy, prefill_chunk_size: int) -> PrefixCache | None:
     """What ``IncrementalDecoder(prefix_cache=...)`` keeps: None, or a :class:`PrefixCache` checked against
-    ``model`` and ``cache_policy``."""
+    ``model``, ``cache_policy`` and the decoder's ``prefill_chunk_size``."""
     if prefix_cache is None:
         return None
     if not isinstance(prefix_cache, PrefixCache):
         raise TypeError(f"prefix_cache must be a hybridlm.PrefixCache, got {type(prefix_cache).__name__}")
     prefix_cache.bind(model, cache_policy)
+    prefix_cache.check_chunking(prefill_chunk_size)
     return prefix_cache
 
 

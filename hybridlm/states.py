@@ -51,6 +51,9 @@ class LayerState:
 
     #: plain fields that every step advances outside a compiled step (in :meth:`advance`); the step never reads them
     step_counters: ClassVar[tuple[str, ...]] = ()
+    #: whether outputs depend, beyond rounding, on how a prefill is cut into forwards (H2O evicts after each one,
+    #: KIVI reads a forward's own tokens in full precision, sinks + window positions a chunk at its first token)
+    chunk_dependent: ClassVar[bool] = False
 
     def compile_layout(self) -> tuple:
         """What a compiled decode step specialises on in this state (:class:`~hybridlm.decode.DecodeStep`): each
@@ -234,6 +237,10 @@ class StateGroup(LayerState):
     @property
     def fixed_step(self) -> bool:
         return all(part.fixed_step for part in self.parts.values())
+
+    @property
+    def chunk_dependent(self) -> bool:
+        return any(part.chunk_dependent for part in self.parts.values())
 
     def advance(self, tokens: int) -> None:
         for part in self.parts.values():

@@ -69,9 +69,10 @@ def test_a_continuation_after_a_hit_equals_a_cold_prefill(case):
     shared = prompt(3 * BLOCK, seed=1)
     first = torch.cat([shared, prompt(3, seed=2)], dim=1)
     second = torch.cat([shared, prompt(5, seed=3)], dim=1)
-    # chunks cut at every block boundary in both decoders, so the cold run performs the very same forwards
+    # chunks cut at every block boundary in both decoders, so the cold run performs the very same forwards (a
+    # chunk size that does not divide the block is refused under H2O, KIVI and sinks + window)
     cold = IncrementalDecoder(model, prefill_chunk_size=BLOCK, cache_policy=policy)
-    cached = IncrementalDecoder(model, prefill_chunk_size=64, cache_policy=policy,
+    cached = IncrementalDecoder(model, prefill_chunk_size=BLOCK, cache_policy=policy,
                                 prefix_cache=PrefixCache(block_size=BLOCK, max_bytes=10**8))
     cached.generate(first, max_new_tokens=4)  # stores blocks 1-3, then decodes on (a snapshot must not follow it)
     assert cached.stats["prefix_hit_tokens"] == 0

@@ -214,6 +214,8 @@ class SinkWindowKV(_WindowKV):
     seen: int = 0
     has_padding: bool = False
 
+    chunk_dependent = True
+
     @classmethod
     def empty(cls, batch_size, kv_heads, head_dim, *, sinks, window, device=None, dtype=None) -> SinkWindowKV:
         return cls(*_zeros(batch_size, kv_heads, sinks + window, head_dim, device, dtype), sinks=sinks,
@@ -334,6 +336,7 @@ class HeavyHitterKV(_FixedKV):
     has_padding: bool = False
 
     needs_attention_probs = True
+    chunk_dependent = True
 
     def rewind_blocker(self, tokens: int) -> str | None:
         return ("H2O (heavy hitters) cannot roll back: the dropped queries' attention mass is summed into every "

@@ -144,6 +144,7 @@ class QuantizedKV(KVLayout):
     #: one-token decode steps attend straight from the codes (:mod:`.quantized_attention`); False: the
     #: reference path (dequantize the history, then attention), for tests and benchmarks
     fused_decode: ClassVar[bool] = True
+    chunk_dependent = True
 
     @classmethod
     def empty(cls, batch_size, kv_heads, head_dim, *, bits, group, residual, device=None, dtype=None, **fields):
