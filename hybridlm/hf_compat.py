@@ -6,11 +6,15 @@ this is the module to read.
   (:func:`forward_kwargs`).
 * Assisted decoding (``assistant_model=``, ``prompt_lookup_num_tokens=``) needs a cache before the first forward
   and rolls it back with ``crop`` (:class:`GenerationSupport`).
+* Without an ``attention_mask``, ``generate()`` infers one as ``ids != pad_token_id``, also for a draft model's
+  input, where pad may be an ordinary token of the output (:class:`GenerationSupport`).
 * ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` learn ``model_type="hybridlm"`` when the model
   classes are defined (:func:`register_auto_classes`).
 """
 
 from __future__ import annotations
+
+import torch
 
 #: Arguments transformers passes to ``forward`` that hybridlm's models do not use: outputs are always returned
 #: as output dataclasses.
@@ -46,6 +50,23 @@ class GenerationSupport:
                                                    policy=model_kwargs.get("cache_policy"))
             if generation_config.is_assistant:  # its drafts are cropped after the target's verification
                 model_kwargs["cache"].activate_past_recording()
+
+
+    def _prepare_attention_mask_for_generation(self, inputs_tensor, generation_config, model_kwargs):
+        """A draft model's input (assisted decoding) without a mask holds real tokens only (a padded prompt's mask
+        comes with it), so pad there is an ordinary token: all ones. Otherwise transformers' mask; a prompt
+        holding ``pad_token_id`` after a real token is refused, saying that the mask was inferred from it."""
+        if generation_config.is_assistant:
+            return torch.ones(inputs_tensor.shape[:2], dtype=torch.long, device=inputs_tensor.device)
+        mask = super()._prepare_attention_mask_for_generation(inputs_tensor, generation_config, model_kwargs)
+        inside = (mask[:, 1:] < mask[:, :-1]).nonzero()  # a masked position after a real token
+        if len(inside):
+            row, column = inside[0].tolist()
+            pad = generation_config.pad_token_id
+            raise ValueError(f"generate: attention_mask was inferred from pad_token_id={pad} (ids != pad_token_id), "
+                             f"and the prompt holds {pad} after a real token (row {row}, position {column + 1}); "
+                             "pass attention_mask= (ones where the id is an ordinary token) or another pad_token_id")
+        return mask
 
 
 def forward_kwargs(owner: str, kwargs: dict) -> dict:

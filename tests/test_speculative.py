@@ -294,3 +294,22 @@ def test_transformers_route_refuses_a_draft_with_another_vocabulary():
     with pytest.raises(ValueError, match="different tokenizers"):
         target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=4, do_sample=False,
                         assistant_model=tiny_model(1, vocab_size=50, layer_types=ATTENTION))
+
+
+def test_assisted_generation_with_pad_as_an_ordinary_output_token_equals_greedy():
+    """transformers infers a draft's mask as ``ids != pad_token_id`` each round: a pad id in the output so far is
+    a real token there, as everywhere else."""
+    target = tiny_model(0, layer_types=["attention", "mamba2"])
+    ids = torch.tensor([PROMPTS[0]])
+    expected = target.generate(ids, max_new_tokens=24, do_sample=False)
+    pad = int(expected[0, ids.shape[1]])  # the first new token, not in the prompt, output again later
+    assert pad not in PROMPTS[0] and int((expected[0] == pad).sum()) > 2
+    for kwargs in (dict(assistant_model=perturbed_copy(target, 0.1)), dict(prompt_lookup_num_tokens=3)):
+        assert torch.equal(target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=pad, **kwargs),
+                           expected)
+
+
+def test_a_pad_id_after_a_real_prompt_token_says_the_mask_was_inferred_from_it():
+    target = tiny_model(0, layer_types=ATTENTION)
+    with pytest.raises(ValueError, match=r"attention_mask was inferred from pad_token_id=8 .* \(row 0, position 3\)"):
+        target.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=2, do_sample=False, pad_token_id=8)
