@@ -37,6 +37,11 @@ class Timing:
     def __format__(self, spec: str) -> str:
         return f"{self.min_ms:{spec}} / {self.median_ms:{spec}}"
 
+    @property
+    def spread(self) -> float:
+        """Median over minimum: 1.0 on a quiet machine, larger as other work interrupts the runs."""
+        return self.median_ms / self.min_ms if self.min_ms > 0 else float("inf")
+
 
 def time_calls(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> Timing:
     """``fn()`` run ``warmup`` times untimed, then ``repeats`` times timed."""
@@ -50,6 +55,50 @@ def time_calls(fn: Callable[[], object], repeats: int = 5, warmup: int = 1) -> T
         fn()
         seconds.append(time.perf_counter() - start)
     return Timing.of(seconds)
+
+
+def interleaved_timings(calls: dict[str, Callable[[], object]], repeats: int = 5, warmup: int = 1
+                        ) -> dict[str, Timing]:
+    """Each call run ``warmup`` times untimed, then all of them timed in turn, ``repeats`` rounds: a change in
+    the machine's load then falls on every call alike, and the ratios stay comparable."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats={repeats} must be >= 1 and warmup={warmup} >= 0")
+    for fn in calls.values():
+        for _ in range(warmup):
+            fn()
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: Timing.of(runs) for name, runs in seconds.items()}
+
+
+#: A spread (median / min) above this, or ratios of minima and of medians further apart than this, reads as a
+#: busy machine: the numbers are printed, no conclusion is drawn from them.
+NOISY_SPREAD = 1.25
+
+
+def speedup_verdict(baseline: dict[int, Timing], candidate: dict[int, Timing]) -> str:
+    """One sentence on ``baseline``'s time over ``candidate``'s at each context, worded from the numbers: the
+    ratios of medians (and of minima), and a conclusion only when the runs are steady."""
+    ratios = {c: baseline[c].median_ms / candidate[c].median_ms for c in baseline}
+    minima = {c: baseline[c].min_ms / candidate[c].min_ms for c in baseline}
+    stated = ", ".join(f"{ratios[c]:.2f}x at {c // 1024}K (minima {minima[c]:.2f}x)" for c in sorted(ratios))
+    spreads = [t.spread for t in (*baseline.values(), *candidate.values())]
+    disagree = any(max(ratios[c], minima[c]) / min(ratios[c], minima[c]) > NOISY_SPREAD for c in ratios)
+    if max(spreads) > NOISY_SPREAD or disagree:
+        return (f"Decode speed-up: {stated}. The machine is busy (median/min spread up to {max(spreads):.2f}x), so "
+                "these runs support no conclusion; rerun on an idle machine.")
+    ordered = [ratios[c] for c in sorted(ratios)]
+    if len(ordered) > 1 and all(b > a for a, b in zip(ordered, ordered[1:])):
+        trend = "it grows with the context"
+    elif len(ordered) > 1:
+        trend = "it does not grow with the context in these runs"
+    else:
+        trend = "one context measured"
+    return f"Decode speed-up: {stated}; {trend}."
 
 
 def fill_cache(cache: HybridCache, context: int, generator: torch.Generator | None = None) -> None:
@@ -184,16 +233,30 @@ def cache_bytes(model: HybridForCausalLM, context: int) -> tuple[int, float]:
 
 
 def compare_stacks(models: dict[str, HybridForCausalLM], contexts: list[int], steps: int = 8,
-                   warmup: int = 2) -> list[dict]:
-    """One row per stack: cache bytes per token and the :class:`Timing` of a decode step at each context."""
-    rows = []
-    for name, model in tqdm(models.items(), desc="stacks", leave=False):
-        fixed, per_token = cache_bytes(model, max(contexts))
-        row = {"stack": name, "fixed_bytes": fixed, "bytes_per_token": per_token}
-        for context in tqdm(contexts, desc=name, leave=False):
-            row[context] = decode_timing(model, context, steps, warmup=warmup)
-        rows.append(row)
+                   warmup: int = 2, threads: int | None = None) -> list[dict]:
+    """One row per stack: cache bytes per token and the :class:`Timing` of a decode step at each context, the
+    stacks' steps interleaved (:func:`interleaved_timings`) on ``threads`` threads (None: torch's setting)."""
+    rows = [{"stack": name, **dict(zip(("fixed_bytes", "bytes_per_token"), cache_bytes(model, max(contexts))))}
+            for name, model in models.items()]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads or previous)
+    try:
+        for context in tqdm(contexts, desc="contexts", leave=False):
+            steppers = {name: _decode_step(model, context, warmup + steps) for name, model in models.items()}
+            for row, timing in zip(rows, interleaved_timings(steppers, steps, warmup).values()):
+                row[context] = timing
+            del steppers
+    finally:
+        torch.set_num_threads(previous)
     return rows
+
+
+def _decode_step(model: HybridForCausalLM, context: int, calls: int) -> Callable[[], object]:
+    """One decode step of ``model`` over a cache filled to ``context`` tokens, with room for ``calls`` steps."""
+    cache = model.new_cache(1, max_length=context + calls + 1)
+    fill_cache(cache, context, torch.Generator().manual_seed(0))
+    token = torch.zeros(1, 1, dtype=torch.long)
+    return lambda: model(token, cache=cache)
 
 
 # --- chunked scans against loops over time -------------------------------------------------------

@@ -41,9 +41,11 @@ def _config_from(path: str):
     option("--eval-rows", type=positive_int, default=16, help="held-out rows of 512 tokens for bits per byte"),
     option("--steps", type=positive_int, default=8, help="decode steps timed per model and context"),
     option("--warmup", type=non_negative_int, default=2, help="untimed decode steps before timing"),
+    option("--threads", type=positive_int, default=1,
+           help="torch threads for the decode timing (1 is steadiest on a shared machine)"),
 )
 def run_demo(args) -> None:
-    from .bench import compare_stacks, table
+    from .bench import compare_stacks, speedup_verdict, table
     from .bundled import BUNDLED_MODELS, load_bundled
     from .training import stdlib_corpus
     from .training.evaluation import HeldOut
@@ -57,7 +59,7 @@ def run_demo(args) -> None:
                  [tokenizer.eos_token_id], dict(max_new_tokens=args.max_new_tokens))
     held_out = HeldOut.of(tokenizer, stdlib_corpus().held_out_texts, 512)
     rows = compare_stacks({name: m for name, (m, _) in loaded.items()}, args.contexts, steps=args.steps,
-                          warmup=args.warmup)
+                          warmup=args.warmup, threads=args.threads)
     for row, (m, _) in zip(rows, loaded.values()):
         row["bits_per_byte"] = held_out.evaluate(m, "stream", args.eval_rows)["bits_per_byte"]
         row["parameters"] = sum(p.numel() for p in m.parameters()) / 1e6
@@ -65,14 +67,14 @@ def run_demo(args) -> None:
                ("bits_per_byte", "held-out bits/byte", ".3f"), ("bytes_per_token", "cache B/token", ",.0f")]
     columns += [(c, f"decode ms/token @{c // 1024}K", ".2f") for c in args.contexts]
     print(f"\nHeld-out: the first {args.eval_rows} x 512 tokens of the standard-library files the models never saw; "
-          f"decode: batch 1, {args.warmup} warm-up steps, then min / median of {args.steps}.")
+          f"decode: batch 1, {args.threads} thread(s), {args.warmup} warm-up steps, then min / median of "
+          f"{args.steps}, the two models' steps interleaved.")
     print(table(rows, columns))
     hybrid, attention = rows
     print(f"\nThe hybrid holds {attention['bytes_per_token'] / hybrid['bytes_per_token']:.1f}x fewer cache bytes per "
-          "token. Its decode speed-up grows with the context: " + ", ".join(
-              f"{attention[c].median_ms / hybrid[c].median_ms:.2f}x at {c // 1024}K" for c in args.contexts) +
-          " (medians). Models this small hide it at short contexts, where per-token work (projections, MLPs, "
-          "Python) costs more than reading the cache.")
+          "token. " + speedup_verdict({c: attention[c] for c in args.contexts}, {c: hybrid[c] for c in args.contexts})
+          + " Models this small hide the gain at short contexts, where per-token work (projections, MLPs, Python) "
+          "costs more than reading the cache.")
 
 
 @command(
@@ -135,6 +137,8 @@ def run_build_kernels(args) -> None:
     option("--contexts", type=positive_int, nargs="+", default=[512, 2048, 8192], help="context lengths to decode at"),
     option("--steps", type=positive_int, default=8, help="timed decode steps per stack and context"),
     option("--warmup", type=non_negative_int, default=2, help="untimed runs before timing"),
+    option("--threads", type=positive_int, default=1,
+           help="torch threads for the decode timing (1 is steadiest on a shared machine)"),
     option("--scan-length", type=positive_int, default=2048, help="sequence length of the scan comparison"),
     option("--scan-repeats", type=positive_int, default=5, help="timed runs per scan"),
     option("--skip-scans", action="store_true", help="leave out the scan comparison"),
@@ -154,9 +158,9 @@ def run_bench(args) -> None:
         _bench_context(models, args)
         return
     contexts = args.contexts
-    rows = compare_stacks(models, contexts, steps=args.steps, warmup=args.warmup)
-    print(f"decode ms/token, min / median of {args.steps} steps after {args.warmup} warm-up (batch 1), "
-          "and cache per sequence:")
+    rows = compare_stacks(models, contexts, steps=args.steps, warmup=args.warmup, threads=args.threads)
+    print(f"decode ms/token, min / median of {args.steps} steps after {args.warmup} warm-up (batch 1, "
+          f"{args.threads} thread(s), the stacks' steps interleaved), and cache per sequence:")
     columns = [("stack", "stack", ""), ("bytes_per_token", "cache B/token", ",.0f"),
                ("fixed_bytes", "fixed B", ",d")]
     columns += [(c, f"ms @ {c}", ".2f") for c in contexts]

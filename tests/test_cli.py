@@ -397,3 +397,28 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", "--model", str(tmp_path / "m.gguf"), "--ids", "1"])
     assert "pip install 'hybridlm[gguf]'" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_interleaved_timings_take_turns():
+    from hybridlm.bench import interleaved_timings
+
+    order = []
+    timings = interleaved_timings({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, repeats=3,
+                                  warmup=2)
+    assert order == ["a", "a", "b", "b"] + ["a", "b"] * 3 and set(timings) == {"a", "b"}
+
+
+@pytest.mark.parametrize("baseline, candidate, expected", [
+    ({4096: (2.0, 2.1), 32768: (8.0, 8.2)}, {4096: (1.0, 1.05), 32768: (2.0, 2.05)}, "; it grows with the context."),
+    ({4096: (2.0, 2.1), 32768: (2.0, 2.1)}, {4096: (1.0, 1.05), 32768: (1.5, 1.55)}, "does not grow"),
+    ({4096: (1.36, 1.4), 32768: (0.1, 1.0)}, {4096: (1.0, 1.0), 32768: (1.0, 1.0)}, "The machine is busy"),
+])
+def test_speedup_verdict_is_worded_from_the_numbers(baseline, candidate, expected):
+    """Steady runs get a conclusion that follows the ratios; a wide spread gets none (a demo once printed
+    "grows with the context" beside 1.36x at 4K and 1.01x at 32K)."""
+    from hybridlm.bench import speedup_verdict
+
+    verdict = speedup_verdict({c: Timing(*t) for c, t in baseline.items()},
+                              {c: Timing(*t) for c, t in candidate.items()})
+    assert expected in verdict
+    assert ("grows" in verdict) == (expected == "; it grows with the context.")
