@@ -21,7 +21,8 @@ from .base import KVLayout, KVView
 @dataclasses.dataclass
 class LatentKV(KVLayout):
     """``latent [batch, 1, capacity, width]`` of which the first ``length`` slots are filled; ``padding
-    [batch]`` leading padding slots per row. Capacity grows by half when full (or is preallocated)."""
+    [batch]`` leading padding slots per row. Capacity grows by half when full (or is preallocated). It takes no
+    cache policy (no ``policy_features``): one reaching it is refused."""
 
     latent: torch.Tensor
     padding: torch.Tensor
