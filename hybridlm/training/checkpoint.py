@@ -69,12 +69,12 @@ def _untie(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return result
 
 
-def check_new_run(out: Path) -> None:
-    """A new run (no ``--resume``) must not overwrite a checkpoint, nor one a kill left half published."""
+def check_new_run(out: Path, remedy: str = "pass --resume to continue it, or another --out") -> None:
+    """A new run (no ``--resume``) must not overwrite a checkpoint, nor one a kill left half published; the
+    error ends with ``remedy``."""
     found = recoverable(out / CHECKPOINT_DIR)
     if found:
-        raise FileExistsError(f"--out {out} already holds a checkpoint ({', '.join(map(str, found))}): pass "
-                              "--resume to continue it, or another --out")
+        raise FileExistsError(f"--out {out} already holds a checkpoint ({', '.join(map(str, found))}): {remedy}")
 
 
 def recover_checkpoint(out: Path) -> None:

@@ -227,7 +227,7 @@ def run(args) -> dict:
                          seed=args.seed, weight_decay=0.0)
     if args.merge and not args.lora:
         raise ValueError("--merge needs --lora")
-    check_new_run(args.out)
+    check_new_run(args.out, "choose another --out")
     tokenizer_dir = args.tokenizer or (args.model if Path(args.model).is_dir() else None)
     if tokenizer_dir is None:
         raise ValueError(f"--model {args.model} is not a directory: pass --tokenizer")

@@ -10,13 +10,12 @@ import pytest
 import torch
 
 from hybridlm.files import DamagedFileError
-from hybridlm.training import loop
+from hybridlm.training import finetune, loop, pretrain
 from hybridlm.training.checkpoint import CHECKPOINT_DIR, check_new_run, load_checkpoint, recover_checkpoint
 from hybridlm.training.config import TrainConfig
 from hybridlm.training.distributed import SingleProcess, load_sharded, save_sharded
 from hybridlm.training.loop import train
 from hybridlm.training.packing import rows_for_step
-from hybridlm.training.pretrain import check_same_settings, record_settings
 
 from ..fault_injection import flipped, kill_points, run_killed, truncated
 from ..helpers import tiny_model
@@ -107,6 +106,19 @@ def test_resume_finishes_a_save_killed_between_its_renames(runs, tmp_path):
     assert_same_weights(model, runs["weights"])
 
 
+@pytest.mark.parametrize("leftover", ["checkpoint.tmp", "checkpoint.old"])
+def test_a_new_run_refuses_an_out_holding_what_a_killed_save_left(runs, tmp_path, leftover):
+    """A complete checkpoint left beside no checkpoint/ is recoverable: train and finetune refuse to start over
+    it (a new run's first save would delete it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copytree(runs["half"] / CHECKPOINT_DIR, out / leftover)
+    with pytest.raises(FileExistsError, match=f"{leftover}\\): pass --resume"):
+        pretrain.main(["--out", str(out)])
+    with pytest.raises(FileExistsError, match=f"{leftover}\\): choose another --out"):
+        finetune.main(["--model", "hybrid-tiny", "--data", "docstrings", "--out", str(out)])
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_a_damaged_checkpoint_file_is_an_error_naming_it(runs, tmp_path, name):
     """Truncated, or any of a file's bytes flipped: --resume fails naming the file, never resumes otherwise."""
@@ -174,24 +186,24 @@ def test_run_settings_read_back_exactly_or_fail_naming_the_file(tmp_path):
     settings = {"--seq-len": 32, "--batch-size": 4, "--layout": "documents", "--seed": 0,
                 "training rows (--data)": "0123abcd"}
     path = tmp_path / "run_settings.json"
-    record_settings(tmp_path, {**settings, "--seed": 1})
-    for k in kill_points(record_settings, tmp_path, settings):
-        record_settings(tmp_path, {**settings, "--seed": 1})
-        run_killed(record_settings, tmp_path, settings, kill_at=k)
+    pretrain.record_settings(tmp_path, {**settings, "--seed": 1})
+    for k in kill_points(pretrain.record_settings, tmp_path, settings):
+        pretrain.record_settings(tmp_path, {**settings, "--seed": 1})
+        run_killed(pretrain.record_settings, tmp_path, settings, kill_at=k)
         assert json.loads(path.read_text())["--seed"] in (0, 1)
     written = path.read_bytes()
     for offset in range(len(written)):
         path.write_bytes(written)
         flipped(path, offset)
         try:
-            check_same_settings(tmp_path, settings)
+            pretrain.check_same_settings(tmp_path, settings)
         except ValueError as error:
             assert str(path) in str(error), offset
         else:
             assert json.loads(path.read_bytes()) == settings, offset
     path.write_bytes(written[:len(written) // 2])
     with pytest.raises(DamagedFileError, match=str(path)):
-        check_same_settings(tmp_path, settings)
+        pretrain.check_same_settings(tmp_path, settings)
 
 
 def test_a_torn_last_metrics_row_is_dropped_on_resume(runs, tmp_path):
