@@ -16,11 +16,13 @@ import torch
 
 
 def tokenize_documents(tokenizer, texts: list[str], batch: int = 256) -> torch.Tensor:
-    """One stream of ids: each document's tokens followed by the end-of-text id."""
+    """One stream of ids: each document's tokens followed by the end-of-text id. Documents longer than the
+    tokenizer's ``model_max_length`` (the training length) are expected: they are cut into rows later, so
+    transformers' warning about them is silenced."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
     for start in range(0, len(texts), batch):
-        for encoded in tokenizer(texts[start:start + batch], add_special_tokens=False)["input_ids"]:
+        for encoded in tokenizer(texts[start:start + batch], add_special_tokens=False, verbose=False)["input_ids"]:
             ids += encoded
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)

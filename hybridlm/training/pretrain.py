@@ -183,6 +183,7 @@ def run(args) -> dict:
     from .evaluation import HeldOut
     from .loop import train
     from .packing import pack_documents, tokenize_documents
+    from .tokenizer import record_context_length
 
     config = _train_config(args)
     parallel = SingleProcess() if args.parallel == "none" else from_environment(args.parallel)
@@ -214,6 +215,7 @@ def run(args) -> dict:
     if parallel.is_main:
         out.mkdir(parents=True, exist_ok=True)
         if not args.resume:  # a resumed run loaded both from OUT
+            record_context_length(tokenizer, model.config, args.seq_len)
             save_pretrained_aside(tokenizer, out)
             record_settings(out, settings)
         print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, layers {model.config.layer_types}")

@@ -37,7 +37,7 @@ def _wrapped(tokenizer):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
-                                   unk_token=None, model_max_length=1 << 30)
+                                   unk_token=None, model_max_length=UNLIMITED_LENGTH)
 
 
 def load_tokenizer(path: str | Path):
@@ -81,6 +81,19 @@ def tokenizer_for(directory: str | Path, vocab_size: int):
 
         return check_tokenizer_fits(AutoTokenizer.from_pretrained(directory), vocab_size, directory)
     return ByteTokenizer() if vocab_size == 256 else None
+
+
+#: ``model_max_length`` of a tokenizer whose model has no context limit (every mixer a fixed-size state):
+#: transformers' and lm-eval's "as long as you like" (they score a document in one window).
+UNLIMITED_LENGTH = 1 << 30
+
+
+def record_context_length(tokenizer, config, seq_len: int) -> None:
+    """Set ``tokenizer.model_max_length``, which harnesses read as the model's context (lm-eval, when the config
+    has no ``max_position_embeddings``): the length the model was trained at if any of its layers grows with the
+    context (attention), else :data:`UNLIMITED_LENGTH`."""
+    grows = any(cls.grows_with_context for cls in config.used_mixers.values())
+    tokenizer.model_max_length = seq_len if grows else UNLIMITED_LENGTH
 
 
 def check_tokenizer_fits(tokenizer, vocab_size: int, source) -> object:

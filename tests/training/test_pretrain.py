@@ -54,6 +54,7 @@ def test_pretrain_learns_saves_and_loads_with_auto_classes(corpus, model_file, t
     tokenizer = AutoTokenizer.from_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert model.config.vocab_size == len(tokenizer) == 300
+    assert tokenizer.model_max_length == 32  # the trained length, what lm-eval scores windows of
     ids = tokenizer("def heappush(heap, item):", return_tensors="pt")["input_ids"]
     assert tokenizer.decode(ids[0]) == "def heappush(heap, item):"  # byte-level: text round-trips exactly
     assert model(ids).logits.shape == (1, ids.shape[1], 300)
@@ -89,6 +90,20 @@ def test_resume_continues_exactly(corpus, model_file, tmp_path, monkeypatch):
         assert (got[name] - expected[name]).abs().max() <= 1e-6, name
     steps = [json.loads(line)["step"] for line in (split / "metrics.jsonl").read_text().splitlines()]
     assert steps == [json.loads(line)["step"] for line in (whole / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_only_models_with_attention_record_a_context_length():
+    """A stack with a growing (KV) state records its training length; an all-fixed-state stack records none."""
+    from hybridlm import HybridConfig
+    from hybridlm.training.tokenizer import UNLIMITED_LENGTH, bpe_tokenizer_from_json, record_context_length, \
+        train_bpe_tokenizer
+
+    tokenizer = bpe_tokenizer_from_json(train_bpe_tokenizer(["def f(x):\n    return x\n"] * 4, 260)
+                                        .backend_tokenizer.to_str())
+    for pattern, expected in (("SA", 64), ("SS", UNLIMITED_LENGTH)):
+        record_context_length(tokenizer, HybridConfig(vocab_size=260, hidden_size=32, layer_pattern=pattern,
+                                                      num_attention_heads=2, mamba2_head_dim=8), 64)
+        assert tokenizer.model_max_length == expected, pattern
 
 
 def test_bad_input_is_an_error_before_training(corpus, model_file, tmp_path):
