@@ -14,9 +14,9 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,9 +49,8 @@ def written_aside(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` to write to; when the block ends without an error it is fsynced and
     renamed over ``path`` (else removed)."""
     path = Path(path)
-    descriptor, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(descriptor)
-    temporary = Path(name)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")  # one per writer
+    os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # the umask's mode, as open() gives
     try:
         yield temporary
         fsync_path(temporary)

@@ -35,6 +35,13 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
     assert path.read_text() == "{}" and [p.name for p in tmp_path.iterdir()] == ["settings.json"]
 
 
+def test_a_file_written_aside_gets_the_mode_open_gives(tmp_path):
+    """Not a temporary file's owner-only mode: checkpoints and bundled models are read by others too."""
+    (tmp_path / "plain").write_bytes(b"")
+    write_file(tmp_path / "aside", b"")
+    assert (tmp_path / "aside").stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
 class TwoFiles:
     """Stands in for a tokenizer or a model: ``save_pretrained`` writes two files."""
 
