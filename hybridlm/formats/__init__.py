@@ -157,15 +157,19 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
                          f"{', '.join(['hybridlm'] + writable)}")
     check_expressible(model_type, undeclared_options(model.config, fmt))
     foreign_config = fmt.from_config(model.config)  # raises, before anything is written, if the model does not fit
-    foreign_config.setdefault("dtype", str(model.dtype).removeprefix("torch."))  # what dtype="auto" loads as
+    if "model_type" in foreign_config:  # a transformers config (mamba-ssm's takes no other keys than its own)
+        foreign_config.setdefault("dtype", str(model.dtype).removeprefix("torch."))  # what dtype="auto" loads as
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_word_embeddings:  # transformers omits the tied head (and safetensors refuses shared tensors)
         state.pop("lm_head.weight", None)
     state = fmt.export_weights(state, model.config)
-    with written_aside(out / "model.safetensors") as weights:
-        save_file(state, weights, metadata={"format": "pt"})
+    with written_aside(out / fmt.weights_name) as weights:
+        if fmt.weights_name.endswith(".bin"):
+            torch.save(state, weights)
+        else:
+            save_file(state, weights, metadata={"format": "pt"})
     write_file(out / "config.json", json.dumps(foreign_config, indent=2, sort_keys=True))
     if getattr(model, "generation_config", None) is not None:
         write_file(out / "generation_config.json", model.generation_config.to_json_string())

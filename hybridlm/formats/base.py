@@ -31,6 +31,8 @@ class CheckpointFormat:
     * ``matches(foreign_config)``: recognises the format when ``model_type`` alone does not (mamba-ssm).
     * ``options``: the fields of :data:`EXPORT_OPTIONS` that ``from_config`` handles itself; export refuses a
       model that sets any other of them.
+    * ``weights_name``: the file export writes the weights to (``pytorch_model.bin``: with ``torch.save``, as
+      mamba-ssm reads them).
     """
 
     model_type: str
@@ -40,6 +42,7 @@ class CheckpointFormat:
     export_weights: Callable[[StateDict, HybridConfig], StateDict] | None = None
     matches: Callable[[dict], bool] | None = None
     options: frozenset[str] = frozenset()
+    weights_name: str = "model.safetensors"
 
 
 #: Every supported foreign format, by ``model_type``; a format module adds itself with :func:`register`.
