@@ -223,11 +223,15 @@ def read_manifest(directory: str | os.PathLike) -> dict | None:
     return manifest
 
 
-def check_file(directory: str | os.PathLike, name: str, data: bytes, manifest: dict | None) -> bytes:
-    """``data``, read from ``directory/name``, after checking it against the directory's manifest."""
+def read_checked(directory: str | os.PathLike, name: str, manifest: dict | None) -> bytes:
+    """The bytes of ``directory/name`` (one read), checked against the directory's manifest when it has one."""
+    path = Path(directory) / name
+    if not path.is_file():
+        raise DamagedFileError(f"{path}: missing")
+    data = path.read_bytes()
     if manifest is None:
         return data
-    expected, path = manifest.get(name), Path(directory) / name
+    expected = manifest.get(name)
     if expected is None:
         raise DamagedFileError(f"{path}: not listed in {Path(directory) / MANIFEST}")
     if len(data) != expected["bytes"]:
@@ -235,14 +239,6 @@ def check_file(directory: str | os.PathLike, name: str, data: bytes, manifest: d
     if hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise DamagedFileError(f"{path}: its sha256 differs from the one written (the file was altered)")
     return data
-
-
-def read_checked(directory: str | os.PathLike, name: str, manifest: dict | None) -> bytes:
-    """The bytes of ``directory/name``, checked against the directory's manifest."""
-    path = Path(directory) / name
-    if not path.is_file():
-        raise DamagedFileError(f"{path}: missing")
-    return check_file(directory, name, path.read_bytes(), manifest)
 
 
 def verify_directory(directory: str | os.PathLike) -> None:

@@ -45,7 +45,7 @@ def _digest(text: str, tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         tensor = tensors[name].contiguous()
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
 
 
