@@ -44,13 +44,19 @@ def load_tokenizer(path: str | Path):
     """A tokenizer saved in a directory (``AutoTokenizer.from_pretrained``), with a clear error when missing."""
     from transformers import AutoTokenizer
 
+    from ..files import DamagedFileError
+
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"--tokenizer {path}: no such directory")
     if not has_tokenizer(path):
         raise FileNotFoundError(f"{path} holds no tokenizer (tokenizer.json or tokenizer_config.json); "
                                 "pass --tokenizer DIR")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as error:  # json, tokenizers and transformers each raise their own kinds
+        raise DamagedFileError(f"{path}: its tokenizer files cannot be read ({type(error).__name__}: {error})") \
+            from None
     if tokenizer.eos_token_id is None:
         raise ValueError(f"--tokenizer {path}: the tokenizer has no eos_token to separate documents")
     return tokenizer

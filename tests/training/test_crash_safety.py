@@ -206,6 +206,15 @@ def test_run_settings_read_back_exactly_or_fail_naming_the_file(tmp_path):
         pretrain.check_same_settings(tmp_path, settings)
 
 
+def test_a_damaged_tokenizer_is_an_error_naming_its_directory(tmp_path):
+    from hybridlm.training.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    train_bpe_tokenizer(["def f(x):\n    return x\n"] * 8, vocab_size=260).save_pretrained(tmp_path)
+    truncated(tmp_path / "tokenizer.json", 500)
+    with pytest.raises(DamagedFileError, match=f"{tmp_path}: its tokenizer files cannot be read"):
+        load_tokenizer(tmp_path)
+
+
 def test_a_torn_last_metrics_row_is_dropped_on_resume(runs, tmp_path):
     """A kill during the append of a metrics row leaves part of it: --resume drops it with a warning and
     continues exactly."""
