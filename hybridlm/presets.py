@@ -40,13 +40,20 @@ PRESETS: dict[str, dict] = {
     "lfm2-small": dict(_SMALL, layer_pattern="CCACCACA", attention_qk_norm=True),
     "qwen3-next-small": dict(_SMALL, layer_pattern="DDDADDDA", attention_qk_norm=True, attention_output_gate=True),
     "hybrid-tiny": dict(_TINY, layer_pattern="SSSASSSA", intermediate_size=384),
+    # Mamba-3 at half Mamba-2's state size (the paper's comparison): all-Mamba-3 in mamba-ssm's layout (its norm eps,
+    # so that it exports), a 1:3 attention:Mamba-3 hybrid, and hybrid-tiny's twin (parameters within 1%)
+    "mamba3-small": dict(_SMALL, layer_pattern="RRRRRRRR", mamba3_d_state=32, mamba3_head_dim=32, rms_norm_eps=1e-5),
+    "hybrid3-small": dict(_SMALL, layer_pattern="RRRARRRA", mamba3_d_state=32, mamba3_head_dim=32),
+    "hybrid3-tiny": dict(_TINY, layer_pattern="RRRARRRA", intermediate_size=384, mamba3_d_state=16,
+                         mamba3_head_dim=32),
     "attention-tiny": dict(_TINY, layer_pattern="AAAAAAAA", intermediate_size=512),
 }
 
 
 #: The preset that each writable foreign format holds (``hybridlm convert --to FORMAT`` accepts it).
 FORMAT_PRESETS = {"jamba": "jamba-small", "bamba": "bamba-small", "mamba2": "mamba2-lm-small",
-                  "nemotron_h": "nemotron-h-small", "lfm2": "lfm2-small", "qwen3_next": "qwen3-next-small"}
+                  "nemotron_h": "nemotron-h-small", "lfm2": "lfm2-small", "qwen3_next": "qwen3-next-small",
+                  "mamba_ssm": "mamba3-small"}
 
 
 def preset(name: str, **overrides) -> HybridConfig:
