@@ -26,7 +26,7 @@ FILES = ("model.safetensors", "trainer_state.pt", "config.json", "manifest.json"
 
 
 def new_model():
-    return tiny_model(layer_pattern="SA").train()
+    return tiny_model(layer_pattern="A").train()
 
 
 def metrics_steps(out) -> list[int]:
@@ -146,7 +146,7 @@ def test_a_truncated_checkpoint_without_a_manifest_names_the_file(runs, tmp_path
 
 def _sharded_training_state(seed: int):
     """A model, optimizer and scheduler after one step (the weights differ by ``seed``)."""
-    model = tiny_model(seed=seed, layer_pattern="SA").train()
+    model = tiny_model(seed=seed, layer_pattern="A").train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CONFIG.schedule)
     batch = torch.randint(1, 60, (2, 8), generator=torch.Generator().manual_seed(seed))
