@@ -64,8 +64,8 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "gated_delta_rule": ("fla", "triton", "torch"),
     "gated_delta_rule_step": ("torch",),
     "paged_attention": ("triton", "torch"),
-    "mamba3_scan": ("torch",),
-    "mamba3_step": ("torch",),
+    "mamba3_scan": ("triton", "mamba_ssm", "torch"),
+    "mamba3_step": ("triton", "mamba_ssm", "torch"),
 }
 
 REFERENCES: dict[str, Callable] = {

@@ -170,11 +170,67 @@ def adapt_fla_delta_rule(chunk_gated_delta_rule):
     return gated_delta_rule
 
 
+def _mamba3_declines(q, v, angles, mimo_v, norm_weight, rope_pairs, seq_idx=None) -> None:
+    """What mamba-ssm's SISO Triton kernels for Mamba-3 cannot serve exactly (they compute in bf16)."""
+    dims = (q.shape[-1], v.shape[-1])
+    reasons = [why for bad, why in (
+        (q.shape[-3] != 1 or mimo_v is not None, "MIMO (mamba-ssm runs it with TileLang)"),
+        (norm_weight is not None, "the output norm (mamba-ssm applies it outside the kernel)"),
+        (rope_pairs != "interleaved", f"rope_pairs={rope_pairs!r} (its SISO kernels pair entries (2i, 2i+1))"),
+        (v.dtype != torch.bfloat16, f"{v.dtype} inputs (its kernels compute in bf16)"),
+        (any(d & (d - 1) for d in dims), f"head dims {dims} (powers of two only)"),
+        (angles.shape[-1] % 2, f"{angles.shape[-1]} rotary angles (an even count only)"),
+        (seq_idx is not None, "seq_idx (it takes cu_seqlens)"),
+    ) if bad]
+    if reasons:
+        raise Declined("mamba_ssm's Mamba-3 kernels do not take " + "; ".join(reasons))
+
+
+def mamba3_siso_scan():
+    from mamba_ssm.ops.triton.mamba3.mamba3_siso_combined import mamba3_siso_combined
+
+    from .mamba3 import Mamba3Carry
+
+    def mamba3_scan(q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, *, D=None, z=None, mimo_v=None,
+                    mimo_z=None, mimo_o=None, norm_weight=None, norm_eps=1e-5, rope_pairs="interleaved",
+                    initial_state=None, chunk_size=64, seq_idx=None, cu_seqlens=None):
+        _mamba3_declines(q, v, angles, mimo_v, norm_weight, rope_pairs, seq_idx)
+        states = None if initial_state is None else (initial_state.angle, initial_state.ssm, initial_state.k[:, 0],
+                                                     initial_state.v)  # the map in hybridlm.ops.mamba3's docstring
+        y, angle, ssm, last_k, last_v = mamba3_siso_combined(
+            q[:, :, 0], k[:, :, 0], v, log_decay.transpose(1, 2).float(), dt.transpose(1, 2).float(),
+            trap.transpose(1, 2), q_bias[:, 0].float(), k_bias[:, 0].float(), angles, D=_floats(D), Z=z,
+            Input_States=states, chunk_size=chunk_size, return_final_states=True,
+            cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.int32))
+        return y, Mamba3Carry(angle.float(), ssm.float(), last_k.unsqueeze(1).to(q.dtype), last_v.to(v.dtype))
+
+    return mamba3_scan
+
+
+def mamba3_siso_step():
+    from mamba_ssm.ops.triton.mamba3.mamba3_siso_step import mamba3_siso_step as step
+
+    def mamba3_step(q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, angle_state, ssm_state, k_state, v_state,
+                    *, D=None, z=None, mimo_v=None, mimo_z=None, mimo_o=None, norm_weight=None, norm_eps=1e-5,
+                    rope_pairs="interleaved"):
+        _mamba3_declines(q, v, angles, mimo_v, norm_weight, rope_pairs)
+        y, (angle, ssm, last_k, last_v) = step(
+            q[:, 0], k[:, 0], v, log_decay.float(), dt.float(), trap, q_bias[:, 0].float(), k_bias[:, 0].float(),
+            angles, D=_floats(D), Z=z, Input_States=(angle_state, ssm_state, k_state[:, 0], v_state))
+        for state, new in ((angle_state, angle), (ssm_state, ssm), (k_state[:, 0], last_k), (v_state, last_v)):
+            state.copy_(new)
+        return y
+
+    return mamba3_step
+
+
 # (backend, op) -> loader returning the adapted function.
 LOADERS = {
     ("mamba_ssm", "selective_scan"): mamba_selective_scan,
     ("mamba_ssm", "selective_state_update"): mamba_state_update,
     ("mamba_ssm", "ssd_chunk_scan"): mamba_ssd,
+    ("mamba_ssm", "mamba3_scan"): mamba3_siso_scan,
+    ("mamba_ssm", "mamba3_step"): mamba3_siso_step,
     ("causal_conv1d", "causal_conv1d"): causal_conv1d_sequence,
     ("causal_conv1d", "causal_conv1d_update"): causal_conv1d_step,
     ("flash_attn", "attention"): flash_attention,

@@ -244,6 +244,17 @@ def mamba3_scan_ref(
     With ``seq_idx`` / ``cu_seqlens`` (batch 1, see :mod:`.packing`) each packed sequence starts from its own
     ``initial_state`` row and ends in its own final row, all in one chunked scan.
     """
+    return mamba3_through(chunked_decay_scan, q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, D=D, z=z,
+                          mimo_v=mimo_v, mimo_z=mimo_z, mimo_o=mimo_o, norm_weight=norm_weight, norm_eps=norm_eps,
+                          rope_pairs=rope_pairs, initial_state=initial_state, chunk_size=chunk_size, seq_idx=seq_idx,
+                          cu_seqlens=cu_seqlens)
+
+
+def mamba3_through(scan, q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, *, D=None, z=None, mimo_v=None,
+                   mimo_z=None, mimo_o=None, norm_weight=None, norm_eps=1e-5, rope_pairs="interleaved",
+                   initial_state=None, chunk_size=64, seq_idx=None, cu_seqlens=None):
+    """:func:`mamba3_scan_ref` computed by a scalar-decay chunked ``scan`` (:func:`.ssd.chunked_decay_scan`'s
+    signature): shared by the reference and the Triton backend, which differ only in ``scan``."""
     _check(q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, mimo_v, mimo_o, rope_pairs)
     batch, time, heads, p = v.shape
     rank, n = q.shape[2], q.shape[-1]
@@ -262,8 +273,7 @@ def mamba3_scan_ref(
     weighted = pre.k * (pre.own + pre.next_share).unsqueeze(2).unsqueeze(-1)
     decay = F.pad(log_decay.float().unsqueeze(2), (0, 0, 0, rank - 1))  # [b, t, R, h]: the decay at r = 0
     sequences = None if bounds is None else [rank * b for b in bounds]
-    o, ssm = chunked_decay_scan(_flat(pre.q), _flat(weighted), _flat(pre.v), _flat(decay), chunk_size * rank,
-                                start, sequences)
+    o, ssm = scan(_flat(pre.q), _flat(weighted), _flat(pre.v), _flat(decay), chunk_size * rank, start, sequences)
     o = o.view(batch, time, rank, heads, p)
     # inside a token: every query sees every key of its token with weight lam dt; the flattened scan gave the
     # keys up to its own with the next token's share added, and none after it

@@ -8,6 +8,7 @@ this package is first imported (slow: for tests).
 from .causal_conv1d import causal_conv1d, causal_conv1d_update
 from .delta_rule import gated_delta_rule
 from .linear_attention import causal_linear_attention
+from .mamba3 import mamba3_scan, mamba3_step
 from .paged_attention import paged_attention
 from .selective_scan import selective_scan
 from .ssd import ssd_chunk_scan
@@ -18,6 +19,8 @@ __all__ = [
     "causal_conv1d_update",
     "causal_linear_attention",
     "gated_delta_rule",
+    "mamba3_scan",
+    "mamba3_step",
     "paged_attention",
     "selective_scan",
     "selective_state_update",
