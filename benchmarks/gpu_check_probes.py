@@ -11,6 +11,7 @@ import torch
 
 from hybridlm.ops import backends
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
+from hybridlm.ops.mamba3 import mamba3_scan_ref, mamba3_step_ref
 from hybridlm.ops.selective_scan import selective_scan_ref, selective_state_update_ref
 from hybridlm.ops.ssd import ssd_chunk_scan_ref
 
@@ -46,11 +47,25 @@ def op_calls(device: str, dtype: torch.dtype, small: bool) -> dict:
                                     -torch.rand(heads, head_dim, dstate, device=device), r(8, 1, dstate),
                                     r(8, 1, dstate)), {"D": f(heads, head_dim)}, ()),
         "causal_conv1d_update": ((r(64, dim), r(64, dim, 3), f(dim, 4).to(dtype)), {"activation": "silu"}, ()),
+        # Mamba-3 SISO at mamba3-small-like shapes: d_state 128 with 32 angles (rope fraction 0.5), chunk 64
+        "mamba3_scan": ((r(batch, length, 1, 1, dstate), r(batch, length, 1, 1, dstate), r(batch, length, heads,
+                                                                                          head_dim),
+                         -dt * torch.rand(batch, length, heads, device=device), dt, r(batch, length, heads),
+                         r(batch, length, heads, dstate // 4), f(heads, 1, dstate, scale=0.1),
+                         f(heads, 1, dstate, scale=0.1)),
+                        {"D": f(heads), "z": r(batch, length, heads, head_dim), "chunk_size": min(chunk, 64)},
+                        (0, 1, 2, 4, 5, 6)),
+        "mamba3_step": ((r(8, 1, 1, dstate), r(8, 1, 1, dstate), r(8, heads, head_dim),
+                         -torch.rand(8, heads, device=device) * 0.1, torch.rand(8, heads, device=device) * 0.1,
+                         r(8, heads), r(8, heads, dstate // 4), f(heads, 1, dstate, scale=0.1),
+                         f(heads, 1, dstate, scale=0.1), torch.rand(8, heads, dstate // 4, device=device),
+                         f(8, heads, head_dim, dstate), r(8, 1, heads, dstate), r(8, heads, head_dim)),
+                        {"D": f(heads), "z": r(8, heads, head_dim)}, ()),
     }
 
 
 #: ops whose Triton kernels take packed sequences, and the time axis of their first argument
-PACKED_TIME_AXIS = {"ssd_chunk_scan": 1, "selective_scan": -1, "causal_conv1d": -1}
+PACKED_TIME_AXIS = {"ssd_chunk_scan": 1, "selective_scan": -1, "causal_conv1d": -1, "mamba3_scan": 1}
 
 
 def calls(device: str, dtype: torch.dtype, small: bool):
@@ -66,7 +81,8 @@ def calls(device: str, dtype: torch.dtype, small: bool):
 
 REFERENCES = {"ssd_chunk_scan": ssd_chunk_scan_ref, "selective_scan": selective_scan_ref,
               "causal_conv1d": causal_conv1d_ref, "selective_state_update": selective_state_update_ref,
-              "causal_conv1d_update": causal_conv1d_update_ref}
+              "causal_conv1d_update": causal_conv1d_update_ref, "mamba3_scan": mamba3_scan_ref,
+              "mamba3_step": mamba3_step_ref}
 
 
 def _outputs(function, args, kwargs, wrt):
@@ -153,7 +169,7 @@ def _compile_only(record: dict, path=None, arch: int = 90):
                 path.write_text(json.dumps(record, indent=1))
 
     modules = [importlib.import_module(f"hybridlm.ops.triton.{name}")
-               for name in ("causal_conv1d", "chunked_scan", "selective_scan", "state_update")]
+               for name in ("causal_conv1d", "chunked_scan", "mamba3", "selective_scan", "state_update")]
     saved = [(m, m.launch, m.check_device) for m in modules]
     triton.runtime.driver.set_active(_CompileOnlyDriver(GPUTarget("cuda", arch, 32)))
     for module in modules:
