@@ -14,8 +14,7 @@ import torch
 
 from ..config import HybridConfig
 from .base import CheckpointFormat, register
-from .mapping import (FieldMap, RenameRules, StateDict, check_expressible, outer_rules, rename_state,
-                      require_settings)
+from .mapping import FieldMap, RenameRules, StateDict, check_expressible, outer_rules, rename_state, require_settings
 
 # MambaConfig's defaults, and those of the mixer classes ssm_cfg and attn_cfg configure.
 MODEL_DEFAULTS = {"d_intermediate": 0, "ssm_cfg": {}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,

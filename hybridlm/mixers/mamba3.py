@@ -92,7 +92,8 @@ class Mamba3(Mixer):
         super().__init__()
         self.config = config
         self.d_inner = config.mamba3_expand * config.hidden_size
-        self.d_state, self.n_groups, self.head_dim = config.mamba3_d_state, config.mamba3_n_groups, config.mamba3_head_dim
+        self.d_state, self.n_groups = config.mamba3_d_state, config.mamba3_n_groups
+        self.head_dim = config.mamba3_head_dim
         self.num_heads = self.d_inner // self.head_dim
         self.mimo = config.mamba3_mimo
         self.rank = config.mamba3_mimo_rank if self.mimo else 1
@@ -154,8 +155,8 @@ class Mamba3(Mixer):
         angles = angles.unsqueeze(2).expand(batch, time, heads, self.n_angles)
         z = z.view(batch, time, heads, dim)
         options = dict(D=self.D, mimo_v=getattr(self, "mimo_x", None), mimo_z=getattr(self, "mimo_z", None),
-                       mimo_o=getattr(self, "mimo_o", None), norm_weight=None if self.norm is None else self.norm.weight,
-                       norm_eps=NORM_EPS, rope_pairs=self.rope_pairs)
+                       mimo_o=getattr(self, "mimo_o", None), norm_eps=NORM_EPS, rope_pairs=self.rope_pairs,
+                       norm_weight=None if self.norm is None else self.norm.weight)
         args = (C, B, xs, log_decay, dt, trap, angles, self.C_bias, self.B_bias)
         carry = state.carry() if state is not None else None
         if carry is not None and mask is not None:

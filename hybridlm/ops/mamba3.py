@@ -257,7 +257,7 @@ def mamba3_through(scan, q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, *
     signature): shared by the reference and the Triton backend, which differ only in ``scan``."""
     _check(q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, mimo_v, mimo_o, rope_pairs)
     batch, time, heads, p = v.shape
-    rank, n = q.shape[2], q.shape[-1]
+    rank = q.shape[2]
     bounds = packed_sequences(batch, time, seq_idx, cu_seqlens)
     check_initial_states("mamba3_scan", bounds, initial_state.ssm if initial_state is not None else None)
     theta0 = initial_state.angle if initial_state is not None else None

@@ -142,7 +142,8 @@ def mamba3_state(config: dict, seed: int = 0) -> dict:
     if ssm.get("is_outproj_norm"):
         shapes["norm.weight"] = (inner,)
     r = lambda *shape: torch.randn(*shape, generator=g) * 0.3  # noqa: E731
-    vocab = -(-config["vocab_size"] // config.get("pad_vocab_size_multiple", 8)) * config.get("pad_vocab_size_multiple", 8)
+    multiple = config.get("pad_vocab_size_multiple", 8)
+    vocab = -(-config["vocab_size"] // multiple) * multiple
     state = {"backbone.embedding.weight": r(vocab, d), "backbone.norm_f.weight": 1 + r(d)}
     for i in range(config["n_layer"]):
         prefix = f"backbone.layers.{i}."
