@@ -40,6 +40,10 @@ PRESETS: dict[str, dict] = {
     "lfm2-small": dict(_SMALL, layer_pattern="CCACCACA", attention_qk_norm=True),
     "qwen3-next-small": dict(_SMALL, layer_pattern="DDDADDDA", attention_qk_norm=True, attention_output_gate=True),
     "hybrid-tiny": dict(_TINY, layer_pattern="SSSASSSA", intermediate_size=384),
+    # The plain decoder families (attention-small is a Llama): Mistral's window, Qwen2's biases, Qwen3's q/k norms
+    "mistral-small": dict(_SMALL, layer_pattern="AAAAAAAA", sliding_window=1024),
+    "qwen2-small": dict(_SMALL, layer_pattern="AAAAAAAA", attention_bias=True, attention_output_bias=False),
+    "qwen3-small": dict(_SMALL, layer_pattern="AAAAAAAA", attention_qk_norm=True),
     # Mamba-3 at half Mamba-2's state size (the paper's comparison): all-Mamba-3 in mamba-ssm's layout (its norm eps,
     # so that it exports), a 1:3 attention:Mamba-3 hybrid, and hybrid-tiny's twin (parameters within 1%)
     "mamba3-small": dict(_SMALL, layer_pattern="RRRRRRRR", mamba3_d_state=32, mamba3_head_dim=32, rms_norm_eps=1e-5),
@@ -53,7 +57,8 @@ PRESETS: dict[str, dict] = {
 #: The preset that each writable foreign format holds (``hybridlm convert --to FORMAT`` accepts it).
 FORMAT_PRESETS = {"jamba": "jamba-small", "bamba": "bamba-small", "mamba2": "mamba2-lm-small",
                   "nemotron_h": "nemotron-h-small", "lfm2": "lfm2-small", "qwen3_next": "qwen3-next-small",
-                  "mamba_ssm": "mamba3-small"}
+                  "mamba_ssm": "mamba3-small", "llama": "attention-small", "mistral": "mistral-small",
+                  "qwen2": "qwen2-small", "qwen3": "qwen3-small"}
 
 
 def preset(name: str, **overrides) -> HybridConfig:

@@ -123,6 +123,7 @@ FOREIGN_OVERRIDES = {
     "granitemoehybrid": dict(num_local_experts=8, layer_types=["mamba"] * 3 + ["attention"] + ["mamba"] * 28),
     "kimi_linear": dict(num_experts=8),
     "lfm2_moe": dict(num_experts=4, layer_types=["conv", "full_attention"] * 16),
+    "mistral": dict(sliding_window=None),  # its default 4096-token window bounds the growth the formula counts
     "qwen3_5_moe": dict(text_config=dict(num_experts=8)),
     "qwen3_5_moe_text": dict(num_experts=8),
     "qwen3_next": dict(num_experts=10),
