@@ -317,12 +317,14 @@ def scan_speedups(length: int = 2048, repeats: int = 3, warmup: int = 1) -> list
 
 
 def table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
-    """Plain-text table; ``columns`` are ``(key, heading, format)``."""
+    """Plain-text table; ``columns`` are ``(key, heading, format)``. Numbers (a format given) are right-aligned,
+    text (no format) left-aligned."""
     cells = [[heading for _, heading, _ in columns]]
     cells += [[format(row[key], fmt) if fmt else str(row[key]) for key, _, fmt in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
-    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-             for line in cells]
+    left = [not fmt for _, _, fmt in columns]
+    lines = ["  ".join(cell.ljust(w) if left[i] else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+             .rstrip() for line in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

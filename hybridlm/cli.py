@@ -1,5 +1,5 @@
 """The ``hybridlm`` command: its parser and entry point, and the subcommands that run, convert and train
-checkpoints (``generate``, ``convert``, ``train``, ``finetune``); those that try, inspect and measure are in
+checkpoints (``generate``, ``convert``, ``train``, ``finetune``, ``distill``); those that try, inspect and measure are in
 :mod:`hybridlm.cli_inspect`.
 
 Each subcommand is one function registered in :data:`~hybridlm.cli_common.COMMANDS` with
@@ -31,12 +31,19 @@ from .cli_common import (
     run_reporting_bad_input,
     token_ids,
 )
-from .training.finetune import OPTIONS as FINETUNE_OPTIONS  # argparse settings only: these load no torch
+from .training.distill import OPTIONS as DISTILL_OPTIONS  # argparse settings only: these load no torch
+from .training.finetune import OPTIONS as FINETUNE_OPTIONS
 from .training.pretrain import OPTIONS as PRETRAIN_OPTIONS
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Appends ``(default: X)`` to an option's help when it has a default worth stating."""
+    """Appends ``(default: X)`` to an option's help when it has a default worth stating, and wraps lines at
+    spaces only (a preset name such as ``qwen3-next-small`` is not split at its hyphens)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -240,6 +247,14 @@ def run_train(args) -> None:
          "docs/training.md.", *FINETUNE_OPTIONS)
 def run_finetune(args) -> None:
     from .training.finetune import run
+
+    run(args)
+
+
+@command("distill", "Turn a Transformer into a hybrid: attention layers replaced by Mamba-2 / Gated DeltaNet / Mamba, "
+         "initialised from the attention and distilled; docs/distillation.md.", *DISTILL_OPTIONS)
+def run_distill(args) -> None:
+    from .training.distill import run
 
     run(args)
 

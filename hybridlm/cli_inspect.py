@@ -110,7 +110,8 @@ def run_info(args) -> None:
     print(f"layers: {config.num_hidden_layers}  hidden: {config.hidden_size}  "
           f"parameters: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M")
     fixed, per_token = cache_bytes(model, args.context)
-    print(f"cache per sequence ({model.dtype}): {fixed:,} B fixed + {per_token:,.0f} B per token of context")
+    print(f"cache per sequence in the model's dtype ({model.dtype}; `hybridlm memory` counts 16-bit KV): {fixed:,} B "
+          f"fixed + {per_token:,.0f} B per token of context")
     cache = model.new_cache(1)
     fill_cache(cache, args.context)
     layers, params = mixers_by_kind(model)
@@ -196,7 +197,9 @@ def _bench_context(models, args) -> None:
 @command(
     "memory", "Cache bytes per request and per token by layer kind, at contexts and KV bit widths, beside the "
               "weights' bytes, for any config hybridlm reads (plain llama / mistral / mixtral / qwen2 / qwen3 too).",
-    option("--model", required=True, metavar="CONFIG_OR_DIR", help="a config.json or a checkpoint directory"),
+    option("--model", metavar="CONFIG_OR_DIR", help="a config.json or a checkpoint directory; default: give --preset"),
+    option("--preset", choices=list(PRESETS), metavar="NAME",
+           help=f"a preset instead of --model: {', '.join(PRESETS)}; default: give --model"),
     option("--context", type=positive_int, nargs="+", default=[4096, 32768, 131072], help="context lengths"),
     option("--batch", type=positive_int, default=1, help="sequences per request"),
     option("--kv-bits", type=int, choices=KV_BITS, nargs="+", default=[16, 8, 4],
@@ -206,13 +209,17 @@ def _bench_context(models, args) -> None:
 def run_memory(args) -> None:
     import json
 
-    config_file = existing_config(args.model, "--model")  # a mistyped path fails before torch loads
+    if (args.model is None) == (args.preset is None):
+        raise ValueError("give --model CONFIG_OR_DIR or --preset NAME (one of them)")
+    config_file = existing_config(args.model, "--model") if args.model else None  # before torch loads
     from .bench import table
     from .formats.base import read_config
     from .kv.memory import by_kind_text, memory_rows, read_any_config
+    from .presets import preset
 
-    config = read_any_config(read_config(config_file))  # read_config: a JSON object, infinities decoded
-    rows = memory_rows(config, args.context, args.batch, args.kv_bits, name=args.model)
+    # read_config: a JSON object, infinities decoded
+    config = read_any_config(read_config(config_file)) if config_file else preset(args.preset)
+    rows = memory_rows(config, args.context, args.batch, args.kv_bits, name=args.model or args.preset)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -223,3 +230,5 @@ def run_memory(args) -> None:
                        ("bytes_per_token", "KV B/token", ",.0f"), ("fixed_bytes", "fixed B", ",d"),
                        ("request_gib", "cache GiB/request", ",.3f"), ("weights_gib", "weights GiB (16-bit)", ",.2f"),
                        ("kinds", "cache by layer kind", "")]))
+    print("Counted for a bfloat16 cache (as served): 16-bit KV unquantized, each state in the dtype its mixer "
+          "keeps in a bfloat16 model; `hybridlm info` counts the model's own dtype (fp32: twice the KV bytes).")

@@ -422,3 +422,18 @@ def test_speedup_verdict_is_worded_from_the_numbers(baseline, candidate, expecte
                               {c: Timing(*t) for c, t in candidate.items()})
     assert expected in verdict
     assert ("grows" in verdict) == (expected == "; it grows with the context.")
+
+
+def test_memory_takes_a_preset_states_its_convention_and_aligns_text(capsys):
+    main(["memory", "--preset", "hybrid-tiny", "--context", "4096", "--kv-bits", "16", "4"])
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header, rows = lines[0], lines[2:4]
+    start = header.index("cache by layer kind")
+    assert all(row[start:].startswith("mamba2") for row in rows), out  # text columns left-aligned, not ragged
+    assert "bfloat16 cache" in out and "hybridlm info" in out
+    main(["info", "--preset", "hybrid-tiny"])
+    assert "hybridlm memory` counts 16-bit KV" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["memory"])
+    assert "give --model CONFIG_OR_DIR or --preset NAME" in capsys.readouterr().err
