@@ -1,6 +1,6 @@
 """The ``hybridlm`` command: its parser and entry point, and the subcommands that run, convert and train
-checkpoints (``generate``, ``convert``, ``train``, ``finetune``, ``distill``); those that try, inspect and measure are in
-:mod:`hybridlm.cli_inspect`.
+checkpoints (``generate``, ``convert``, ``train``, ``finetune``, ``distill``); those that try, inspect and measure
+are in :mod:`hybridlm.cli_inspect`.
 
 Each subcommand is one function registered in :data:`~hybridlm.cli_common.COMMANDS` with
 :func:`~hybridlm.cli_common.command`; it imports what it needs when it runs, so ``hybridlm --help`` and argument
