@@ -126,6 +126,9 @@ def print_stream(model, tokenizer, prompt_ids: list[int], stops: list[int], sett
     from .generation import IncrementalDecoder
 
     generated, shown = [], ""
+    if compile:
+        print("compiling the decode step with torch.compile (10-60 s on a CPU; the first token waits for it) ...",
+              file=sys.stderr, flush=True)
     decoder = IncrementalDecoder(model, prefill_chunk_size=chunk, cache_policy=policy, compile=compile)
     for step in decoder.stream([prompt_ids], stop_tokens=stops, **settings):
         token = step[0].item()

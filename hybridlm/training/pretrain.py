@@ -199,7 +199,11 @@ def run(args) -> dict:
         if args.threads < 1:
             raise ValueError(f"--threads must be a positive integer, got {args.threads}")
         torch.set_num_threads(args.threads)
+    status = print if parallel.is_main else (lambda *_, **__: None)
+    status("reading the corpus ...", flush=True)
     corpus = _corpus(args)
+    status(f"{len(corpus.train)} training and {len(corpus.held_out)} held-out documents; preparing the tokenizer "
+           "(training a BPE takes ~20 s on the standard library) ...", flush=True)
     tokenizer = _tokenizer(args, corpus, out, args.resume, parallel)
     model = build_model(args.model, len(tokenizer), args.seed)
     check_seq_len(args.seq_len, model)
@@ -207,6 +211,7 @@ def run(args) -> dict:
     if args.resume:
         check_resumable(out, model)
     eos = tokenizer.eos_token_id
+    status("tokenizing and packing the corpus ...", flush=True)
     rows = pack_documents(tokenize_documents(tokenizer, corpus.train_texts), args.seq_len, eos)
     held_out = HeldOut.of(tokenizer, corpus.held_out_texts, args.seq_len)
     settings = _run_settings(args, rows)

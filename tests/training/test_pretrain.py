@@ -36,10 +36,12 @@ def test_row_order_is_a_function_of_step_and_covers_each_epoch():
     assert not torch.equal(rows_for_step(3, 4, 12, seed=3), rows_for_step(0, 4, 12, seed=3))  # a new epoch order
 
 
-def test_pretrain_learns_saves_and_loads_with_auto_classes(corpus, model_file, tmp_path):
+def test_pretrain_learns_saves_and_loads_with_auto_classes(corpus, model_file, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     last = pretrain.main(args_for(corpus, model_file, tmp_path, "--steps", "12"))
+    said = capsys.readouterr().out  # each slow phase says what it is doing before it starts
+    assert said.index("reading the corpus") < said.index("preparing the tokenizer") < said.index("tokenizing")
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if "loss" in r]
     eval_rows = [r for r in rows if "eval_loss" in r]
@@ -95,8 +97,12 @@ def test_resume_continues_exactly(corpus, model_file, tmp_path, monkeypatch):
 def test_only_models_with_attention_record_a_context_length():
     """A stack with a growing (KV) state records its training length; an all-fixed-state stack records none."""
     from hybridlm import HybridConfig
-    from hybridlm.training.tokenizer import UNLIMITED_LENGTH, bpe_tokenizer_from_json, record_context_length, \
-        train_bpe_tokenizer
+    from hybridlm.training.tokenizer import (
+        UNLIMITED_LENGTH,
+        bpe_tokenizer_from_json,
+        record_context_length,
+        train_bpe_tokenizer,
+    )
 
     tokenizer = bpe_tokenizer_from_json(train_bpe_tokenizer(["def f(x):\n    return x\n"] * 4, 260)
                                         .backend_tokenizer.to_str())
