@@ -163,9 +163,10 @@ class DataParallel(_Distributed):
 
 
 class FullyShardedParallel(_Distributed):
-    """FSDP2: every block (``model.model.layers[i]``), then the whole model, sharded with ``fully_shard``;
-    gradients reduce-scattered as sums. Checkpoints go through ``torch.distributed.checkpoint`` (one shard per
-    rank) and resume on any world size, one process included."""
+    """FSDP2: every block (``model.model.layers[i]``, or the modules ``model.shard_units()`` names when it has
+    that method), then the whole model, sharded with ``fully_shard``; gradients reduce-scattered as sums.
+    Checkpoints go through ``torch.distributed.checkpoint`` (one shard per rank) and resume on any world size,
+    one process included."""
 
     kind = "fsdp"
 
@@ -173,7 +174,7 @@ class FullyShardedParallel(_Distributed):
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
         self._prepare(model)
-        for block in model.model.layers:
+        for block in model.shard_units() if hasattr(model, "shard_units") else model.model.layers:
             fully_shard(block)
         fully_shard(model)
         for module in model.modules():

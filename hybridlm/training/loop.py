@@ -56,11 +56,13 @@ def evaluate(model, rows: PackedRows, layout: str, limit: int | None = None, bat
 
 def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval_rows: PackedRows | None = None,
           tokens_per_byte: float | None = None, resume: bool = False, parallel=None,
-          losses=token_losses) -> dict:
+          losses=token_losses, eval_fields=None) -> dict:
     """Train ``model`` on ``rows``; checkpoints and metrics go to ``out``. Returns the last logged metrics.
 
     ``losses(model, batch, precision) -> (summed loss, target count, aux loss)`` is :func:`token_losses` unless a
-    task computes its loss otherwise (MQAR: logits only at its few answer positions).
+    task computes its loss otherwise (MQAR: logits only at its few answer positions; distillation: the KL to a
+    teacher). ``eval_fields(rows) -> dict``, when given, adds fields to each evaluation's metrics row, called
+    (on every rank) with the number of held-out rows just evaluated (distillation: the teacher's loss on them).
 
     ``parallel`` (a :class:`hybridlm.training.distributed.Parallel`; single-process when None) wraps the model,
     shards each global batch by rank and reduces the logged numbers."""
@@ -136,6 +138,8 @@ def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval
                    "eval_tokens": used * eval_rows.ids.shape[1]}
             if tokens_per_byte is not None:
                 row["bits_per_byte"] = eval_loss * tokens_per_byte / math.log(2)
+            if eval_fields is not None:
+                row.update(eval_fields(used))
             last.update(row)
             if log:
                 log.write(row)

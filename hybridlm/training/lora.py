@@ -27,16 +27,19 @@ def linear_module_names(model) -> list[str]:
     return [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and module is not head]
 
 
-def add_lora(model, rank: int = 8, alpha: float | None = None, dropout: float = 0.0):
+def add_lora(model, rank: int = 8, alpha: float | None = None, dropout: float = 0.0,
+             targets: list[str] | None = None):
     """``model`` wrapped by ``peft`` with rank-``rank`` adapters (scale ``alpha / rank``; ``alpha`` defaults to
-    ``2 * rank``) on :func:`linear_module_names`; only the adapters train."""
+    ``2 * rank``) on ``targets`` (full module names; default :func:`linear_module_names`); only the adapters
+    train."""
     peft = _peft()
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"--lora rank must be a positive integer, got {rank!r}")
     if alpha is not None and not (isinstance(alpha, (int, float)) and 0 < alpha < math.inf):
         raise ValueError(f"--lora-alpha must be a finite number > 0 (0 would turn the adapters off), got {alpha!r}")
     config = peft.LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=dropout,
-                             target_modules=linear_module_names(model), task_type="CAUSAL_LM")
+                             target_modules=linear_module_names(model) if targets is None else targets,
+                             task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
 
 
