@@ -251,9 +251,11 @@ class _CpuClock:
         return self.base + (time.process_time() - self.start) / 3600
 
 
-def _eval_fields(teacher, held_out, layout: str, clock: _CpuClock, metrics: Path, before: float, transfer=None):
-    """The loop's ``eval_fields``: the teacher's loss and bits per byte on the rows the student was evaluated on
-    (computed once per row count), the CPU-hours so far, and in stage 1 each new mixer's held-out error."""
+def _eval_fields(teacher, held_out, config: TrainConfig, clock: _CpuClock, metrics: Path, before: float,
+                 transfer=None):
+    """The loop's ``eval_fields``: the teacher's loss and bits per byte on the rows the student was evaluated on,
+    in the same precision (computed once per row count), the CPU-hours so far, and in stage 1 each new mixer's
+    held-out error."""
     from .distill_transfer import held_out_errors
     from .loop import evaluate
 
@@ -261,11 +263,11 @@ def _eval_fields(teacher, held_out, layout: str, clock: _CpuClock, metrics: Path
 
     def fields(used: int) -> dict:
         if used not in teacher_losses:
-            teacher_losses[used] = evaluate(teacher, held_out.rows, layout, used)
+            teacher_losses[used] = evaluate(teacher, held_out.rows, config.layout, used, precision=config.precision)
         loss = teacher_losses[used]
         row = {"teacher_eval_loss": loss, "teacher_bits_per_byte": held_out.bits_per_byte(loss)}
         if transfer is not None:
-            errors = held_out_errors(transfer, held_out.rows, layout, used)
+            errors = held_out_errors(transfer, held_out.rows, config.layout, used, precision=config.precision)
             row.update(layer_error=_mean(errors), layer_errors=errors)
         row["cpu_hours"] = clock.hours(metrics, before)
         return row
@@ -402,7 +404,7 @@ def run(args) -> dict:
                     print(f"output scales fitted: error on the first batch {_mean(summary['transfer_fit_errors']):.4f} "
                           "(mean over the new layers; 1 = a zero output)")
             losses = transfer_losses
-            fields = _eval_fields(teacher, held_out, args.layout, clock, stage_out / "metrics.jsonl", hours, model)
+            fields = _eval_fields(teacher, held_out, config, clock, stage_out / "metrics.jsonl", hours, model)
         else:
             model = student.requires_grad_(True)
             if args.lora:
@@ -411,7 +413,7 @@ def run(args) -> dict:
                 model = add_lora(student, args.lora, args.lora_alpha,
                                  targets=_lora_targets(student, replaced, args.lora_on))
             losses = kl_losses(teacher, args.temperature, args.ce_weight)
-            fields = _eval_fields(teacher, held_out, args.layout, clock, stage_out / "metrics.jsonl", hours)
+            fields = _eval_fields(teacher, held_out, config, clock, stage_out / "metrics.jsonl", hours)
         last = train(model, rows, config, stage_out, eval_rows=held_out.rows, tokens_per_byte=held_out.tokens_per_byte,
                      resume=resuming, parallel=parallel, losses=losses, eval_fields=fields)
         if stage == "transfer":
@@ -423,12 +425,13 @@ def run(args) -> dict:
 
                 trained = merge_lora(trained)
         tokens += config.steps * config.batch_size * args.seq_len
-        if parallel.is_main:
-            if last.get("eval_tokens") != len(held_out.rows) * args.seq_len:  # resumed after its last evaluation
-                last = {**last, **held_out.evaluate(trained, args.layout), **fields(len(held_out.rows))}
-            summary[stage] = {name: last[name] for name in ("eval_loss", "bits_per_byte", "eval_tokens", "cpu_hours",
-                                                            "layer_error", "layer_errors") if name in last}
-            summary[stage]["tokens"] = tokens
+        if parallel.is_main:  # the student on every held-out row in fp32, as the teacher and the init were
+            final = last.get("eval_tokens") == len(held_out.rows) * args.seq_len and config.precision == "fp32"
+            result = {name: last[name] for name in ("eval_loss", "bits_per_byte", "eval_tokens")} if final \
+                else held_out.evaluate(trained, args.layout)  # (resumed after the last evaluation, or bf16)
+            errors = {name: last[name] for name in ("layer_error", "layer_errors") if name in last}
+            summary[stage] = {**result, **errors, "cpu_hours": clock.hours(stage_out / "metrics.jsonl", hours),
+                              "tokens": tokens}
             save_pretrained_aside(trained, stage_out)
             _write_summary(out, summary)  # the stage is done: a resume starts after it
             plot_distillation(out)

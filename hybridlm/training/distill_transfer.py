@@ -139,8 +139,10 @@ def transfer_losses(model, batch: dict[str, torch.Tensor], precision: str = "fp3
 
 
 @torch.no_grad()
-def held_out_errors(model, rows, layout: str, limit: int, batch_size: int = 8) -> list[float]:
+def held_out_errors(model, rows, layout: str, limit: int, batch_size: int = 8, precision: str = "fp32") -> list[float]:
     """Each replaced layer's mean error over the labelled tokens of the first ``limit`` held-out rows."""
+    from .loop import _autocast
+
     was_training = model.training
     model.eval()
     totals, count = None, 0
@@ -150,8 +152,9 @@ def held_out_errors(model, rows, layout: str, limit: int, batch_size: int = 8) -
         weights = torch.zeros_like(batch["labels"], dtype=torch.float32)
         weights[:, 1:] = (batch["labels"][:, 1:] != -100).float()
         position_ids = batch.get("position_ids")
-        errors = model(batch["input_ids"].to(device), None if position_ids is None else position_ids.to(device),
-                       transfer=True, weights=weights.to(device))
+        with _autocast(precision, device):
+            errors = model(batch["input_ids"].to(device), None if position_ids is None else position_ids.to(device),
+                           transfer=True, weights=weights.to(device))
         totals = errors.double() if totals is None else totals + errors.double()
         count += int(weights.sum())
     model.train(was_training)
