@@ -332,3 +332,16 @@ def test_bad_input_is_an_error_before_training(teacher_dir, corpus, tmp_path):
     fails("--resume: .* other settings .*--mixer gated_deltanet \\(the run used mamba2\\)", "--resume", "--steps",
           "0", "--mixer", "gated_deltanet", out=done)
     fails("already holds a distillation", "--steps", "0", out=done, error=FileExistsError)
+
+
+def test_the_passkey_prompt_hides_the_key_at_its_depth_in_a_prompt_of_the_length_asked(teacher_dir):
+    from hybridlm.training.distill_measure import FILLER, INTRO, QUESTION, passkey_prompt
+
+    tokenizer = distill.teacher_tokenizer(str(teacher_dir), 300)
+    for depth in (0.1, 0.5, 0.9):
+        ids = passkey_prompt(tokenizer, 1000, depth, 31337)
+        text = tokenizer.decode(ids)
+        assert len(ids) == 1000 and text.startswith(INTRO) and text.endswith(QUESTION) and text.count("31337") == 2
+        end = text.index("31337 is the pass key.") + len("31337 is the pass key.")
+        before, after = text.index(" The pass key is 31337") - len(INTRO), len(text) - len(QUESTION) - end
+        assert abs(before / (before + after) - depth) <= len(FILLER) / (before + after)  # within a filler group
