@@ -37,12 +37,13 @@ one PNG per item. Items, in run order:
     KIVI caches are written from the full-precision prefill (KIVI's reading: the prompt in full precision).
 ``speculative``
     Prompt lookup on an edit task: the chat template around "Rename the variable X to Y in this function:" and a
-    function of the held-out standard library. hybridlm's ``SpeculativeDecoding(prompt_lookup=3)`` and
-    transformers' ``generate(prompt_lookup_num_tokens=k)`` (on its ``LlamaForCausalLM`` of the same directory)
-    against plain greedy decoding of each library, taking turns; greedy stops at ``<|im_end|>``. Reported: min /
-    median seconds, speed-up (plain / lookup), acceptance rate (accepted / drafted tokens), tokens per target
-    forward (the prefill counted: 1.0 for plain decoding); the tokens are asserted identical to plain greedy
-    decoding.
+    function of the held-out standard library; the answer starts with "```python" (``--unprimed``: it does not,
+    and the 135M model tends to describe the function instead of rewriting it). hybridlm's
+    ``SpeculativeDecoding(prompt_lookup=3)`` and transformers' ``generate(prompt_lookup_num_tokens=k)`` (on its
+    ``LlamaForCausalLM`` of the same directory) against plain greedy decoding of each library, taking turns;
+    greedy stops at ``<|im_end|>``. Reported: min / median seconds, speed-up (plain / lookup), acceptance rate
+    (accepted / drafted tokens), tokens per target forward (the prefill counted: 1.0 for plain decoding); the
+    tokens are asserted identical to plain greedy decoding.
 ``prefix``
     A shared 2,048-token system message (held-out code) and 8 questions in the chat template. Time to first token
     (prefill + first choice) without a prefix cache and with a hit in ``PrefixCache(block_size=256)`` (the
@@ -449,9 +450,10 @@ def plot_passkey(result: dict, out: Path) -> str:
 # --- speculative: prompt lookup on an edit task ------------------------------------------------------------------
 
 
-def edit_tasks(bench: Bench, count: int) -> list[dict]:
+def edit_tasks(bench: Bench, count: int, primed: bool) -> list[dict]:
     """``count`` public functions (60 to 160 tokens, one per held-out stdlib file, in the corpus's order), each
-    with its most used name (used 3 times at least) to rename."""
+    with its most used name (used 3 times at least) to rename. ``primed``: the answer starts with the opening of
+    a Python code block (after the chat template's generation prompt), so that the model writes the function."""
     from hybridlm.training.corpus import stdlib_corpus
 
     tasks = []
@@ -469,13 +471,16 @@ def edit_tasks(bench: Bench, count: int) -> list[dict]:
                 continue
             new = f"{old}_value" if not old.endswith("s") else f"all_{old}"
             message = f"Rename the variable `{old}` to `{new}` in this function:\n\n```python\n{code}\n```"
+            ids = bench.chat([{"role": "user", "content": message}]) + (bench.encode(PRIME) if primed else [])
             tasks.append({"file": Path(path).name, "function": node.name, "old": old, "new": new,
-                          "code_tokens": len(bench.encode(code)), "ids": bench.chat([{"role": "user",
-                                                                                      "content": message}])})
+                          "code_tokens": len(bench.encode(code)), "ids": ids})
             break
         if len(tasks) == count:
             break
     return tasks
+
+
+PRIME = "```python\n"
 
 
 class ForwardCounter:
@@ -534,8 +539,8 @@ def item_speculative(bench: Bench) -> dict:
     args = bench.args
     edit = EditModes(bench, args.draft_tokens)
     result = {"draft_tokens": args.draft_tokens, "hybridlm_ngram": 3, "repeats": args.repeats, "warmup": 1,
-              "tasks": []}
-    for task in edit_tasks(bench, args.edit_functions):
+              "primed": not args.unprimed, "tasks": []}
+    for task in edit_tasks(bench, args.edit_functions, primed=not args.unprimed):
         ids, budget = task["ids"], args.max_new or task["code_tokens"] + 48
         seconds: dict[str, list[float]] = {}
         outputs, stats = {}, {}
@@ -888,6 +893,8 @@ def parse(argv: list[str] | None):
                         help="prompt lengths (default 1024 2048 4096 8184, --quick 1024 2048 4096)")
     parser.add_argument("--window-passkey", type=int, default=1024)
     parser.add_argument("--edit-functions", type=int, help="edit tasks (default 2, --quick 1)")
+    parser.add_argument("--unprimed", action="store_true",
+                        help="edit tasks: leave the answer to the model (default: it starts with a code block)")
     parser.add_argument("--max-new", type=int, help="new tokens at most (default: the function's + 48)")
     parser.add_argument("--draft-tokens", type=int, default=10, help="prompt lookup's k (both libraries)")
     parser.add_argument("--repeats", type=int, default=2, help="timed repeats of each speculative mode")
