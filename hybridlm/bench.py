@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from . import ops
-from .cache import HybridCache, KVLayout, StateGroup
-from .mixers import mixer_parts
-from .model import HybridForCausalLM
+from hybridlm import ops
+from hybridlm.cache import HybridCache, KVLayout, StateGroup
+from hybridlm.mixers import mixer_parts
+from hybridlm.model import HybridForCausalLM
 
 
 @dataclass(frozen=True)

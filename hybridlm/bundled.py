@@ -29,7 +29,7 @@ def load_bundled(name: str | None = None):
     import torch
     from transformers import AutoTokenizer
 
-    from .model import HybridForCausalLM
+    from hybridlm.model import HybridForCausalLM
 
     path = bundled_model_dir(name)
     return HybridForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(path)

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from . import rollback
-from .kv.base import DenseKV, KVLayout, KVState, KVView, Rotate
-from .states import (
+from hybridlm import rollback
+from hybridlm.kv.base import DenseKV, KVLayout, KVState, KVView, Rotate
+from hybridlm.states import (
     CompressedKVState,
     LayerState,
     LinearAttentionState,

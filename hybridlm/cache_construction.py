@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .cache import HybridCache, LayerState
-from .inputs import check_cache_device
-from .mixers import Mixer
+from hybridlm.cache import HybridCache, LayerState
+from hybridlm.inputs import check_cache_device
+from hybridlm.mixers import Mixer
 
 
 class CacheConstruction:
@@ -34,14 +34,14 @@ class CacheConstruction:
         # a transient full-length buffer; the states it leaves as they were are then made with ``max_length``
         kinds, states = self._init_states(batch_size, max_length if policy is None else None, device, dtype)
         if policy is not None:
-            from .kv.policy import apply_policy
+            from hybridlm.kv.policy import apply_policy
 
             lean, states = states, apply_policy(states, policy, capacity=max_length)
             if max_length:
                 states = [self._init_state(index, batch_size, max_length, device, dtype) if state is lean[index]
                           else state for index, state in enumerate(states)]
         if static:
-            from .kv.static import make_static
+            from hybridlm.kv.static import make_static
 
             states = [make_static(state, kind) for state, kind in zip(states, kinds)]
         fixed = [mixer is None or not mixer.grows_with_context for mixer in self._state_mixers()]

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 
-from . import cli_inspect  # noqa: F401  (registers demo, info, build-kernels, bench, memory: listed first)
-from .cli_common import (
+from hybridlm import cli_inspect  # noqa: F401  (registers demo, info, build-kernels, bench, memory: listed first)
+from hybridlm.cli_common import (
     COMMANDS,
     KV_BITS,
     add_options,
@@ -31,9 +31,9 @@ from .cli_common import (
     run_reporting_bad_input,
     token_ids,
 )
-from .training.distill import OPTIONS as DISTILL_OPTIONS  # argparse settings only: these load no torch
-from .training.finetune import OPTIONS as FINETUNE_OPTIONS
-from .training.pretrain import OPTIONS as PRETRAIN_OPTIONS
+from hybridlm.training.distill import OPTIONS as DISTILL_OPTIONS  # argparse settings only: these load no torch
+from hybridlm.training.finetune import OPTIONS as FINETUNE_OPTIONS
+from hybridlm.training.pretrain import OPTIONS as PRETRAIN_OPTIONS
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -133,7 +133,7 @@ def run_generate(args) -> None:
         stops.append(tokenizer.eos_token_id)  # the end of a chat turn, where it is not the model's eos
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    from .kv.policy import CachePolicy
+    from hybridlm.kv.policy import CachePolicy
 
     quantization = {name: value for name, value in (("kv_group_size", args.kv_group_size),
                                                      ("kv_residual", args.kv_residual)) if value is not None}
@@ -151,17 +151,17 @@ def _model_and_tokenizer(source: str | None):
     (default: the bundled hybrid) with its tokenizer files, or a GGUF file with the tokenizer it holds."""
     from pathlib import Path
 
-    from .paths import local_directory, split_gguf_path
+    from hybridlm.paths import local_directory, split_gguf_path
 
     gguf = split_gguf_path(source, None) if source else None
     local = local_directory(source) if source and gguf is None else None  # a mistyped path fails before torch
     import torch
 
-    from .bundled import bundled_model_dir
-    from .formats import load
-    from .formats.base import resolve_directory
-    from .formats.gguf import read_gguf_tokenizer
-    from .training.tokenizer import check_tokenizer_fits, tokenizer_for
+    from hybridlm.bundled import bundled_model_dir
+    from hybridlm.formats import load
+    from hybridlm.formats.base import resolve_directory
+    from hybridlm.formats.gguf import read_gguf_tokenizer
+    from hybridlm.training.tokenizer import check_tokenizer_fits, tokenizer_for
 
     if gguf is not None:
         model = load(Path(source), dtype=torch.float32)
@@ -190,21 +190,21 @@ def chat_prompt(tokenizer, message: str) -> list[int]:
 def run_convert(args) -> None:
     from pathlib import Path
 
-    from .paths import local_directory, split_gguf_path
+    from hybridlm.paths import local_directory, split_gguf_path
 
     gguf = split_gguf_path(args.src, None)
     if gguf is None:
         local_directory(args.src)  # a mistyped path fails before torch loads
         if args.to is None:
             raise ValueError("--to is required unless SRC is a .gguf file (say which format to write)")
-    from .files import save_pretrained_aside
-    from .formats import load
+    from hybridlm.files import save_pretrained_aside
+    from hybridlm.formats import load
 
     model = load(Path(args.src) if gguf else args.src)
     if gguf is not None:
         from transformers import AutoConfig
 
-        from .formats.gguf import read_gguf_tokenizer
+        from hybridlm.formats.gguf import read_gguf_tokenizer
 
         target = args.to or AutoConfig.from_pretrained(gguf[0], gguf_file=gguf[1]).model_type
         model.save_pretrained(args.dst, format=target)
@@ -224,9 +224,9 @@ def _carry_companions(source: str, target, vocab_size: int):
     fit the model, with its chat template), or None when it has none."""
     from transformers import GenerationConfig
 
-    from .files import save_pretrained_aside
-    from .formats.base import resolve_directory
-    from .training.tokenizer import tokenizer_for
+    from hybridlm.files import save_pretrained_aside
+    from hybridlm.formats.base import resolve_directory
+    from hybridlm.training.tokenizer import tokenizer_for
 
     directory = resolve_directory(source)
     if (directory / "generation_config.json").is_file():
@@ -238,7 +238,7 @@ def _carry_companions(source: str, target, vocab_size: int):
 @command("train", "Pretrain a model (default: a 1:3 hybrid on the Python standard library); docs/training.md.",
          *PRETRAIN_OPTIONS)
 def run_train(args) -> None:
-    from .training.pretrain import run
+    from hybridlm.training.pretrain import run
 
     run(args)
 
@@ -246,7 +246,7 @@ def run_train(args) -> None:
 @command("finetune", "Fine-tune a checkpoint (full or LoRA) on JSONL prompt/response or chat examples; "
          "docs/training.md.", *FINETUNE_OPTIONS)
 def run_finetune(args) -> None:
-    from .training.finetune import run
+    from hybridlm.training.finetune import run
 
     run(args)
 
@@ -254,7 +254,7 @@ def run_finetune(args) -> None:
 @command("distill", "Turn a Transformer into a hybrid: attention layers replaced by Mamba-2 / Gated DeltaNet / Mamba, "
          "initialised from the attention and distilled; docs/distillation.md.", *DISTILL_OPTIONS)
 def run_distill(args) -> None:
-    from .training.distill import run
+    from hybridlm.training.distill import run
 
     run(args)
 

@@ -123,7 +123,7 @@ def print_stream(model, tokenizer, prompt_ids: list[int], stops: list[int], sett
                  policy=None, compile: bool = False) -> None:
     """Print the continuation of ``prompt_ids`` as it is generated (text with a tokenizer, else token ids),
     stopping at a stop token; ``compile``: through a compiled decode step."""
-    from .generation import IncrementalDecoder
+    from hybridlm.generation import IncrementalDecoder
 
     generated, shown = [], ""
     if compile:

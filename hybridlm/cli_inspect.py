@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import contextlib
 
-from .cli_common import KV_BITS, command, non_negative_int, option, positive_int, print_stream
-from .paths import existing_config
-from .presets import PRESETS  # names and settings only: no torch
+from hybridlm.cli_common import KV_BITS, command, non_negative_int, option, positive_int, print_stream
+from hybridlm.paths import existing_config
+from hybridlm.presets import PRESETS  # names and settings only: no torch
 
 DEFAULT_PRESET = "jamba-small"
 
@@ -17,7 +17,7 @@ def _build(config, seed: int = 0, device: str | None = None):
     shapes but no storage (enough to count parameters and cache bytes)."""
     import torch
 
-    from .model import HybridForCausalLM
+    from hybridlm.model import HybridForCausalLM
 
     torch.manual_seed(seed)
     with torch.device(device) if device else contextlib.nullcontext():
@@ -27,7 +27,7 @@ def _build(config, seed: int = 0, device: str | None = None):
 def _config_from(path: str):
     """The HybridConfig of a ``config.json``, or of the one in a checkpoint directory (any supported format)."""
     file = existing_config(path, "--config")  # a mistyped path fails before torch loads
-    from .formats.base import read_config, to_hybrid_config
+    from hybridlm.formats.base import read_config, to_hybrid_config
 
     return to_hybrid_config(read_config(file))
 
@@ -45,10 +45,10 @@ def _config_from(path: str):
            help="torch threads for the decode timing (1 is steadiest on a shared machine)"),
 )
 def run_demo(args) -> None:
-    from .bench import compare_stacks, speedup_verdict, table
-    from .bundled import BUNDLED_MODELS, load_bundled
-    from .training import stdlib_corpus
-    from .training.evaluation import HeldOut
+    from hybridlm.bench import compare_stacks, speedup_verdict, table
+    from hybridlm.bundled import BUNDLED_MODELS, load_bundled
+    from hybridlm.training import stdlib_corpus
+    from hybridlm.training.evaluation import HeldOut
 
     loaded = {name: load_bundled(name) for name in BUNDLED_MODELS}
     model, tokenizer = loaded["hybrid"]
@@ -89,7 +89,7 @@ def run_demo(args) -> None:
 )
 def run_info(args) -> None:
     if args.backends:
-        from .ops import report
+        from hybridlm.ops import report
 
         print(report())
         return
@@ -99,12 +99,12 @@ def run_info(args) -> None:
         config = _config_from(args.config)
         print(f"config: {args.config}")
     else:
-        from .presets import preset
+        from hybridlm.presets import preset
 
         name = args.preset or DEFAULT_PRESET
         config = preset(name)
         print(f"preset: {name}" + ("" if args.preset else " (the default; choose with --preset or --config)"))
-    from .bench import cache_bytes, fill_cache, mixers_by_kind, table
+    from hybridlm.bench import cache_bytes, fill_cache, mixers_by_kind, table
 
     model = _build(config, device="meta")  # sizes only: a full-size config must not allocate its weights
     print(f"layers: {config.num_hidden_layers}  hidden: {config.hidden_size}  "
@@ -124,7 +124,7 @@ def run_info(args) -> None:
 
 @command("build-kernels", "Build the CUDA selective scan now (else the first forward on a GPU builds it, ~1 min).")
 def run_build_kernels(args) -> None:
-    from .ops import cuda
+    from hybridlm.ops import cuda
 
     reason = cuda.unavailable_reason()
     if reason is not None:
@@ -148,8 +148,8 @@ def run_build_kernels(args) -> None:
     option("--plot", help="with 'context': write a PNG plot here (needs matplotlib); default: no plot"),
 )
 def run_bench(args) -> None:
-    from .bench import compare_stacks, scan_speedups, table
-    from .presets import preset
+    from hybridlm.bench import compare_stacks, scan_speedups, table
+    from hybridlm.presets import preset
 
     names = {"all-attention": "attention-small", "jamba 1:7": "jamba-small", "all-mamba2": "mamba2-small",
              "qwen3-next 3:1": "qwen3-next-small"}  # Gated DeltaNet : gated attention
@@ -178,8 +178,8 @@ def run_bench(args) -> None:
 
 
 def _bench_context(models, args) -> None:
-    from .bench import context_rows, plot_context_rows, table
-    from .kv.policy import CachePolicy
+    from hybridlm.bench import context_rows, plot_context_rows, table
+    from hybridlm.kv.policy import CachePolicy
 
     policies = {"fp": None, "8-bit": CachePolicy(kv_bits=8), "4-bit": CachePolicy(kv_bits=4),
                 "sinks 4 + window 1020": CachePolicy(sink_tokens=4, window=1020)}
@@ -212,10 +212,10 @@ def run_memory(args) -> None:
     if (args.model is None) == (args.preset is None):
         raise ValueError("give --model CONFIG_OR_DIR or --preset NAME (one of them)")
     config_file = existing_config(args.model, "--model") if args.model else None  # before torch loads
-    from .bench import table
-    from .formats.base import read_config
-    from .kv.memory import by_kind_text, memory_rows, read_any_config
-    from .presets import preset
+    from hybridlm.bench import table
+    from hybridlm.formats.base import read_config
+    from hybridlm.kv.memory import by_kind_text, memory_rows, read_any_config
+    from hybridlm.presets import preset
 
     # read_config: a JSON object, infinities decoded
     config = read_any_config(read_config(config_file)) if config_file else preset(args.preset)

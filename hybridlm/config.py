@@ -19,10 +19,10 @@ import math
 
 from transformers import GenerationConfig, PreTrainedConfig
 
-from .config_rules import check_dtype, check_field, check_router, field_hints
-from .mixers import MIXERS, Mixer, invalid_config, mixer_class, mixer_parts, pattern_letters
-from .remote_code import AUTO_MAP
-from .shared_blocks import SharedBlock
+from hybridlm.config_rules import check_dtype, check_field, check_router, field_hints
+from hybridlm.mixers import MIXERS, Mixer, invalid_config, mixer_class, mixer_parts, pattern_letters
+from hybridlm.remote_code import AUTO_MAP
+from hybridlm.shared_blocks import SharedBlock
 
 MLP_TYPES = ("dense", "moe", "none")
 MLP_ACTIVATIONS = ("silu", "gelu", "relu2")

@@ -11,7 +11,7 @@ import typing
 
 import torch
 
-from .mixers import invalid_config
+from hybridlm.mixers import invalid_config
 
 
 def _positive(v) -> bool:

@@ -18,9 +18,9 @@ import torch
 import torch.nn.modules.module as module_hooks
 from torch._dynamo.utils import counters
 
-from .cache import HybridCache
-from .ops.backends import in_use_backend_block
-from .states import layout_of
+from hybridlm.cache import HybridCache
+from hybridlm.ops.backends import in_use_backend_block
+from hybridlm.states import layout_of
 
 
 def decode_logits(model, ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import HybridCache
-from .decode import DecodeStep
-from .prefix_cache import bind_prefix_cache
+from hybridlm.cache import HybridCache
+from hybridlm.decode import DecodeStep
+from hybridlm.prefix_cache import bind_prefix_cache
 
 #: A compiled decoder's static caches hold a multiple of this many slots (each capacity compiles once).
 STATIC_CAPACITY_STEP = 256
@@ -160,7 +160,7 @@ class IncrementalDecoder:
         settings = SamplingSettings(**settings)
         self.stats = {"prefix_hit_tokens": 0, "prefill_tokens": 0, "decode_tokens": 0}
         if self.speculative is not None:
-            from .speculative import speculative_stream
+            from hybridlm.speculative import speculative_stream
 
             yield from speculative_stream(self, prompts, settings)
             return

@@ -12,17 +12,17 @@ from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import ModelOutput
 
-from .cache import HybridCache, LayerState, StateGroup
-from .cache_construction import CacheConstruction
-from .config import HybridConfig
-from .hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
-from .inputs import check_embeddings, check_labels, check_logits_to_keep, check_position_ids, check_token_ids
-from .layers.mlp import MLP, MoE, load_balancing_loss
-from .layers.norms import RMSNorm
-from .mixers import Mixer, build_mixer
-from .mixers.segments import mix
-from .packing import packed_documents
-from .shared_blocks import SharedBlocks
+from hybridlm.cache import HybridCache, LayerState, StateGroup
+from hybridlm.cache_construction import CacheConstruction
+from hybridlm.config import HybridConfig
+from hybridlm.hf_compat import GenerationSupport, forward_kwargs, register_auto_classes
+from hybridlm.inputs import check_embeddings, check_labels, check_logits_to_keep, check_position_ids, check_token_ids
+from hybridlm.layers.mlp import MLP, MoE, load_balancing_loss
+from hybridlm.layers.norms import RMSNorm
+from hybridlm.mixers import Mixer, build_mixer
+from hybridlm.mixers.segments import mix
+from hybridlm.packing import packed_documents
+from hybridlm.shared_blocks import SharedBlocks
 
 
 @dataclass
@@ -112,7 +112,7 @@ class HybridPreTrainedModel(PreTrainedModel):
         would initialise missing ones randomly and only log a report); :class:`HybridForCausalLM` also reads any
         format in :mod:`hybridlm.formats` (Jamba, Mamba-2, Bamba, ...). See
         :func:`hybridlm.formats.load_pretrained`."""
-        from .formats import load_pretrained
+        from hybridlm.formats import load_pretrained
 
         return load_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
 
@@ -299,12 +299,12 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         """``format="hybridlm"`` (default) writes hybridlm's own checkpoint; another ``model_type`` (e.g.
         ``"jamba"``) writes a checkpoint that transformers loads as that architecture."""
         if format == "hybridlm":
-            from .remote_code import write_remote_code
+            from hybridlm.remote_code import write_remote_code
 
             super().save_pretrained(save_directory, *args, **kwargs)
             write_remote_code(save_directory)  # what config.json's auto_map names
             return None
-        from . import formats
+        from hybridlm import formats
 
         return formats.export(self, save_directory, format)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .mixers.segments import Segments
+from hybridlm.mixers.segments import Segments
 
 #: Keyword arguments of ``forward`` that describe packed documents (transformers 5.x names, and ``cu_seqlens``).
 PACKING_KWARGS = ("seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "cu_seqlens")

@@ -41,9 +41,15 @@ from collections.abc import Iterator
 
 import torch
 
-from . import prefix_cache_states as snapshots
-from .cache import HybridCache, KVLayout
-from .prefix_cache_files import load_snapshots, policy_from_json, policy_json, read_snapshot_file, save_snapshots
+from hybridlm import prefix_cache_states as snapshots
+from hybridlm.cache import HybridCache, KVLayout
+from hybridlm.prefix_cache_files import (
+    load_snapshots,
+    policy_from_json,
+    policy_json,
+    read_snapshot_file,
+    save_snapshots,
+)
 
 _SAMPLED_VALUES = 1024  # per weight tensor, in the model fingerprint
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from .cache import HybridCache, LayerState, StateGroup
-from .files import DamagedFileError, load_safetensors, write_file
+from hybridlm.cache import HybridCache, LayerState, StateGroup
+from hybridlm.files import DamagedFileError, load_safetensors, write_file
 
 METADATA_KEY = "hybridlm_prefix_cache"
 DIGEST_KEY = "hybridlm_prefix_cache_sha256"
@@ -108,7 +108,7 @@ def policy_json(policy) -> dict | None:
 
 
 def policy_from_json(data: dict | None):
-    from .kv.policy import CachePolicy
+    from hybridlm.kv.policy import CachePolicy
 
     if data is None:
         return None

@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from .cache import HybridCache, KVState, LayerState, StateGroup
+from hybridlm.cache import HybridCache, KVState, LayerState, StateGroup
 
 
 def parts(state: LayerState) -> list[LayerState]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import HybridConfig
+    from hybridlm.config import HybridConfig
 
 _SMALL = dict(
     vocab_size=4096, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512,
@@ -64,7 +64,7 @@ FORMAT_PRESETS = {"jamba": "jamba-small", "bamba": "bamba-small", "mamba2": "mam
 def preset(name: str, **overrides) -> HybridConfig:
     """The :class:`~hybridlm.HybridConfig` of preset ``name``; ``overrides`` replace its fields. (HybridConfig is
     imported here so that listing :data:`PRESETS`, as ``hybridlm --help`` does, needs no torch.)"""
-    from .config import HybridConfig
+    from hybridlm.config import HybridConfig
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; available: {', '.join(sorted(PRESETS))}")

@@ -31,7 +31,7 @@ FILES = {
 
 def write_remote_code(directory: str | os.PathLike) -> None:
     """Write the shim files into a checkpoint directory (each crash-safely)."""
-    from .files import write_file
+    from hybridlm.files import write_file
 
     for name, text in FILES.items():
         write_file(Path(directory) / name, text)

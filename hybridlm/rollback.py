@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from .cache import HybridCache
+    from hybridlm.cache import HybridCache
 
 
 def tokens_to_remove(length: int, seen: int) -> int:

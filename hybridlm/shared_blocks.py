@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .cache import KVState
-from .layers.mlp import MLP
-from .layers.norms import RMSNorm
-from .mixers.attention import Attention
+from hybridlm.cache import KVState
+from hybridlm.layers.mlp import MLP
+from hybridlm.layers.norms import RMSNorm
+from hybridlm.mixers.attention import Attention
 
 
 class LoRA(nn.Module):

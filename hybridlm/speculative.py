@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .cache import HybridCache
-from .decode import DecodeStep
-from .generation import IncrementalDecoder, SamplingSettings, choose_next, left_pad, sampling_probs
+from hybridlm.cache import HybridCache
+from hybridlm.decode import DecodeStep
+from hybridlm.generation import IncrementalDecoder, SamplingSettings, choose_next, left_pad, sampling_probs
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import ClassVar
 
 import torch
 
-from . import rollback
+from hybridlm import rollback
 
 
 def _tensor_nbytes(t: torch.Tensor) -> int:

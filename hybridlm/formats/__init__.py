@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 # Each format module registers its format on import.
-from . import (  # noqa: F401
+from hybridlm.formats import (  # noqa: F401
     bamba,
     falcon_h1,
     gemma,
@@ -36,7 +36,7 @@ from . import (  # noqa: F401
     qwen3_next,
     zamba2,
 )
-from .base import (
+from hybridlm.formats.base import (
     FORMATS,
     CheckpointFormat,
     check_state,
@@ -50,16 +50,16 @@ from .base import (
     supported,
     undeclared_options,
 )
-from .mapping import check_expressible
+from hybridlm.formats.mapping import check_expressible
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
          gguf_file: str | None = None):
     """Load a checkpoint directory (or hub id) of any supported architecture, hybridlm's own included, or a GGUF
     file (``path`` ending in ``.gguf``, or a directory and ``gguf_file``; needs the ``gguf`` extra)."""
-    from ..model import HybridForCausalLM
-    from ..paths import split_gguf_path
-    from .gguf import read_gguf
+    from hybridlm.formats.gguf import read_gguf
+    from hybridlm.model import HybridForCausalLM
+    from hybridlm.paths import split_gguf_path
 
     located = split_gguf_path(path, gguf_file)
     if located is not None:
@@ -74,7 +74,7 @@ def load_pretrained(cls, path: str | os.PathLike, *args, **kwargs):
     ``from_pretrained`` (every loading argument works), strictly: a missing, unexpected or mis-shaped weight is
     an error naming it. A foreign checkpoint loads as a :class:`~hybridlm.HybridForCausalLM` and takes only
     ``dtype`` and ``device_map``."""
-    from ..config import HybridConfig
+    from hybridlm.config import HybridConfig
 
     directory = resolve_directory(path)  # a hub id is resolved here, once
     if isinstance(kwargs.get("config"), HybridConfig):  # read already (AutoModel reads it for AutoConfig)
@@ -83,7 +83,7 @@ def load_pretrained(cls, path: str | os.PathLike, *args, **kwargs):
     config_dict = read_config(directory)
     if is_own(config_dict):
         return _load_own(cls, directory, config_dict, args, kwargs)
-    from ..model import HybridForCausalLM
+    from hybridlm.model import HybridForCausalLM
 
     if cls is not HybridForCausalLM:
         raise TypeError(f"{cls.__name__}.from_pretrained reads hybridlm checkpoints only; {directory} is a "
@@ -98,7 +98,7 @@ def _load_own(cls, directory: Path, config_dict: dict, args: tuple, kwargs: dict
     fields override it, as in transformers), then the check it does not make."""
     from transformers import PreTrainedModel
 
-    from ..config import HybridConfig
+    from hybridlm.config import HybridConfig
 
     safetensors_files(directory)  # a truncated file is an error naming it (transformers' does not say which)
     kwargs = dict(kwargs)
@@ -124,7 +124,7 @@ def _load_foreign(directory: Path, foreign_config: dict, dtype, device):
 def build_foreign(foreign_config: dict, foreign_state, source: str, dtype, device):
     """A HybridForCausalLM from a foreign config and its weights (transformers' names): both mapped by the
     format, every weight checked, built on the meta device and filled in place (the weights are not copied)."""
-    from ..model import HybridForCausalLM
+    from hybridlm.model import HybridForCausalLM
 
     fmt = detect(foreign_config)
     config = fmt.to_config(foreign_config)
@@ -148,7 +148,7 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
     written aside and renamed into place (a kill leaves the old file or the new one)."""
     from safetensors.torch import save_file
 
-    from ..files import write_file, written_aside
+    from hybridlm.files import write_file, written_aside
 
     fmt = FORMATS.get(model_type)
     if fmt is None or fmt.from_config is None:

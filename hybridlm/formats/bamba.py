@@ -3,10 +3,10 @@ by a SwiGLU MLP, in Jamba's ``model.layers`` layout. Read and written."""
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .jamba import decoder_rules
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.jamba import decoder_rules
+from hybridlm.formats.mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
     FieldMap,

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..config import HybridConfig
-from ..paths import local_directory
-from .mapping import StateDict, differences
+from hybridlm.config import HybridConfig
+from hybridlm.formats.mapping import StateDict, differences
+from hybridlm.paths import local_directory
 
 
 @dataclass(frozen=True)

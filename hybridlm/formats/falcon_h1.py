@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import HybridConfig
-from .bamba import DECODER_FIELDS, MAMBA2_FIELDS
-from .base import CheckpointFormat, register
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.bamba import DECODER_FIELDS, MAMBA2_FIELDS
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import (
     FieldMap,
     RenameRules,
     StateDict,

@@ -4,7 +4,7 @@ embedding scale and ``query_pre_attn_scalar`` would map onto existing options (a
 
 from __future__ import annotations
 
-from .base import refuse
+from hybridlm.formats.base import refuse
 
 COMMON = [
     "sandwich norms (post_attention_layernorm and post_feedforward_layernorm on the mixer and MLP outputs beside "

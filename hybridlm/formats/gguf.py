@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .mapping import StateDict
+from hybridlm.formats.mapping import StateDict
 
 EXTRA_HINT = "pip install 'hybridlm[gguf]' (the gguf and accelerate packages)"
 

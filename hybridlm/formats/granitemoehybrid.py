@@ -13,10 +13,10 @@ shared MLP (``shared_mlp.input_linear [2I, H]``); transformers' in-memory names 
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .bamba import DECODER_FIELDS, MAMBA2_FIELDS
-from .base import CheckpointFormat, register
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.bamba import DECODER_FIELDS, MAMBA2_FIELDS
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import (
     FieldMap,
     RenameRules,
     StateDict,

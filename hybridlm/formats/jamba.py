@@ -7,9 +7,9 @@ Read and written. The decoder layout here (``model.layers.{i}.mamba`` / ``self_a
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
     FieldMap,

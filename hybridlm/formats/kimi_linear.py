@@ -12,10 +12,10 @@ config class.
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .jamba import unfuse_experts
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.jamba import unfuse_experts
+from hybridlm.formats.mapping import (
     COMMON_FIELDS,
     FieldMap,
     RenameRules,

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
     FieldMap,

@@ -7,9 +7,9 @@ The ``backbone`` layout here (``backbone.embeddings``, ``backbone.layers.{i}.nor
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import (
     COMMON_FIELDS,
     FieldMap,
     RenameRules,

@@ -3,10 +3,10 @@ written."""
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mamba import BACKBONE_RULES
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mamba import BACKBONE_RULES
+from hybridlm.formats.mapping import (
     COMMON_FIELDS,
     FieldMap,
     check_expressible,

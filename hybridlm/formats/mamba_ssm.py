@@ -12,9 +12,17 @@ from __future__ import annotations
 
 import torch
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mapping import FieldMap, RenameRules, StateDict, check_expressible, outer_rules, rename_state, require_settings
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import (
+    FieldMap,
+    RenameRules,
+    StateDict,
+    check_expressible,
+    outer_rules,
+    rename_state,
+    require_settings,
+)
 
 # MambaConfig's defaults, and those of the mixer classes ssm_cfg and attn_cfg configure.
 MODEL_DEFAULTS = {"d_intermediate": 0, "ssm_cfg": {}, "attn_layer_idx": [], "attn_cfg": {}, "rms_norm": True,
@@ -195,7 +203,7 @@ def from_config(config: HybridConfig) -> dict:
 
 def _check_round_trip(config: HybridConfig, back: HybridConfig) -> None:
     """Refuse what the written config would not say: every field the stack and its kinds read must come back."""
-    from ..mixers import mixer_class
+    from hybridlm.mixers import mixer_class
 
     fields = {"vocab_size", "hidden_size", "layer_types", "mlp_types", "rms_norm_eps", "tie_word_embeddings",
               "mlp_activation", *(f for kind in set(config.layer_types) for f in mixer_class(kind).config_fields)}

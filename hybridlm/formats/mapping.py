@@ -9,7 +9,7 @@ import re
 
 import torch
 
-from ..config import HybridConfig
+from hybridlm.config import HybridConfig
 
 StateDict = dict[str, torch.Tensor]
 

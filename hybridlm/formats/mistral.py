@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .llama import Family
+from hybridlm.formats.llama import Family
 
 FORMAT = Family("mistral", "MistralForCausalLM", bias_field=None, window="global").register()
 

@@ -15,9 +15,9 @@ are ignored, as transformers ignores them.
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
     FieldMap,

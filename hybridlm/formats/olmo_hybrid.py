@@ -19,9 +19,9 @@ the MLP output.
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
     DELTANET_FIELDS,
@@ -38,7 +38,7 @@ from .mapping import (
     same_names,
     with_transformers_defaults,
 )
-from .qwen3_next import check_deltanet_heads
+from hybridlm.formats.qwen3_next import check_deltanet_heads
 
 FIELDS = FieldMap({
     **COMMON_FIELDS, **ATTENTION_FIELDS,

@@ -3,7 +3,7 @@ stated by ``layer_types``."""
 
 from __future__ import annotations
 
-from .llama import Family
+from hybridlm.formats.llama import Family
 
 FORMAT = Family("qwen2", "Qwen2ForCausalLM", fixed={"attention_bias": True, "attention_output_bias": False},
                 bias_field=None, window="layers").register()

@@ -3,7 +3,7 @@ biases and an optional sliding window stated by ``layer_types``."""
 
 from __future__ import annotations
 
-from .llama import Family
+from hybridlm.formats.llama import Family
 
 FORMAT = Family("qwen3", "Qwen3ForCausalLM", fixed={"attention_qk_norm": True}, window="layers").register()
 

@@ -11,10 +11,10 @@ supported.
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mapping import StateDict, join_weights, positions, with_transformers_defaults
-from .qwen3_next import config_from, weights_to_ours
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import StateDict, join_weights, positions, with_transformers_defaults
+from hybridlm.formats.qwen3_next import config_from, weights_to_ours
 
 #: our fused DeltaNet projections and the Qwen3.5 matrices they join, in order
 JOINED = {"in_proj_qkvz": ("in_proj_qkv", "in_proj_z"), "in_proj_ba": ("in_proj_b", "in_proj_a")}

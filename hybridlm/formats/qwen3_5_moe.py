@@ -9,11 +9,11 @@ renormalises the top-k weights and every layer is sparse.
 
 from __future__ import annotations
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .mapping import StateDict, with_transformers_defaults
-from .qwen3_5 import import_weights as qwen3_5_weights
-from .qwen3_next import config_from
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.mapping import StateDict, with_transformers_defaults
+from hybridlm.formats.qwen3_5 import import_weights as qwen3_5_weights
+from hybridlm.formats.qwen3_next import config_from
 
 MULTIMODAL = "qwen3_5_moe"
 

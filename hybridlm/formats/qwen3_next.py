@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import HybridConfig
-from .base import CheckpointFormat, register
-from .jamba import unfuse_experts
-from .mapping import (
+from hybridlm.config import HybridConfig
+from hybridlm.formats.base import CheckpointFormat, register
+from hybridlm.formats.jamba import unfuse_experts
+from hybridlm.formats.mapping import (
     ATTENTION_FIELDS,
     COMMON_FIELDS,
     DELTANET_FIELDS,

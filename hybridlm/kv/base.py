@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import torch
 
-from ..states import LayerState, _tensor_nbytes
+from hybridlm.states import LayerState, _tensor_nbytes
 
 
 @dataclasses.dataclass

@@ -14,8 +14,8 @@ import dataclasses
 
 import torch
 
-from ..states import LayerState, _tensor_nbytes
-from .base import KVLayout, KVView
+from hybridlm.kv.base import KVLayout, KVView
+from hybridlm.states import LayerState, _tensor_nbytes
 
 
 @dataclasses.dataclass

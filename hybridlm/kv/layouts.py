@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 import torch
 
-from .. import rollback
-from ..states import LayerState, _tensor_nbytes
-from .base import DenseKV, KVView, Rotate
-from .stepwise import is_verification_block, stepwise_view
+from hybridlm import rollback
+from hybridlm.kv.base import DenseKV, KVView, Rotate
+from hybridlm.kv.stepwise import is_verification_block, stepwise_view
+from hybridlm.states import LayerState, _tensor_nbytes
 
 
 def _zeros(batch, heads, slots, dim, device, dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import HybridConfig
-from ..states import StateGroup
-from .base import KVLayout
-from .policy import CachePolicy
+from hybridlm.config import HybridConfig
+from hybridlm.kv.base import KVLayout
+from hybridlm.kv.policy import CachePolicy
+from hybridlm.states import StateGroup
 
 PLAIN_TRANSFORMERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
 
@@ -59,7 +59,7 @@ def read_any_config(source: str | Path | dict) -> HybridConfig:
         raw = json.loads(path.read_text())
     if raw.get("model_type") in PLAIN_TRANSFORMERS:
         return plain_transformer_config(raw)
-    from ..formats.base import to_hybrid_config
+    from hybridlm.formats.base import to_hybrid_config
 
     return to_hybrid_config(raw)  # hybridlm's own, or a foreign format (by model_type, or mamba-ssm's by its keys)
 
@@ -88,7 +88,7 @@ def memory_rows(config: HybridConfig, contexts: list[int], batch: int = 1, kv_bi
     growth per token of each growing kind: attention, mla, shared attention) and ``weight_bytes``. ``kv_bits``
     quantizes the layouts that take it (``KVLayout.policy_features``); the others (MLA latents, sliding-window
     rings) are counted as they are."""
-    from ..model import HybridForCausalLM
+    from hybridlm.model import HybridForCausalLM
 
     for value, field in [(batch, "batch"), *((c, "context") for c in contexts)]:
         if not isinstance(value, int) or value < 1:

@@ -20,10 +20,10 @@ import math
 
 import torch
 
-from .. import ops
-from ..ops import backends
-from ..states import LayerState, _tensor_nbytes
-from .base import DenseKV, KVView
+from hybridlm import ops
+from hybridlm.kv.base import DenseKV, KVView
+from hybridlm.ops import backends
+from hybridlm.states import LayerState, _tensor_nbytes
 
 TABLE_ENTRY_BYTES = 4  # int32 block-table entries
 

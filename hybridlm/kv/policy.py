@@ -28,12 +28,12 @@ import dataclasses
 import warnings
 from collections.abc import Mapping
 
-from ..states import LayerState, StateGroup
-from .base import KVLayout, KVState
-from .layouts import HeavyHitterKV, SinkWindowKV
-from .paged import PagedKV
-from .quantize import BITS, QuantizedKV
-from .quantized_window import QuantizedSinkWindowKV
+from hybridlm.kv.base import KVLayout, KVState
+from hybridlm.kv.layouts import HeavyHitterKV, SinkWindowKV
+from hybridlm.kv.paged import PagedKV
+from hybridlm.kv.quantize import BITS, QuantizedKV
+from hybridlm.kv.quantized_window import QuantizedSinkWindowKV
+from hybridlm.states import LayerState, StateGroup
 
 
 @dataclasses.dataclass(frozen=True)

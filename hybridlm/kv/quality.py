@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .policy import CachePolicy
+from hybridlm.kv.policy import CachePolicy
 
 
 @torch.no_grad()

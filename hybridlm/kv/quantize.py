@@ -30,11 +30,11 @@ from typing import ClassVar
 
 import torch
 
-from .. import rollback
-from ..states import _tensor_nbytes
-from .base import KVLayout, KVView
-from .quantized_attention import QuantizedHistory
-from .stepwise import NEVER, is_verification_block, stepwise_view
+from hybridlm import rollback
+from hybridlm.kv.base import KVLayout, KVView
+from hybridlm.kv.quantized_attention import QuantizedHistory
+from hybridlm.kv.stepwise import NEVER, is_verification_block, stepwise_view
+from hybridlm.states import _tensor_nbytes
 
 BITS = (2, 4, 8)
 

@@ -42,12 +42,12 @@ import dataclasses
 
 import torch
 
-from .. import rollback
-from ..states import _tensor_nbytes
-from .base import KVView
-from .layouts import sink_step_rotation, sink_window_view
-from .quantize import QuantizedKV
-from .stepwise import NEVER, is_verification_block, stepwise_view
+from hybridlm import rollback
+from hybridlm.kv.base import KVView
+from hybridlm.kv.layouts import sink_step_rotation, sink_window_view
+from hybridlm.kv.quantize import QuantizedKV
+from hybridlm.kv.stepwise import NEVER, is_verification_block, stepwise_view
+from hybridlm.states import _tensor_nbytes
 
 
 @dataclasses.dataclass

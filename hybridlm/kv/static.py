@@ -20,8 +20,8 @@ import dataclasses
 
 import torch
 
-from ..states import LayerState, StateGroup, _tensor_nbytes
-from .base import KVState, KVView
+from hybridlm.kv.base import KVState, KVView
+from hybridlm.states import LayerState, StateGroup, _tensor_nbytes
 
 
 @dataclasses.dataclass

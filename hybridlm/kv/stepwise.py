@@ -25,9 +25,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import ops, rollback
-from ..ops.attention import slot_mask
-from .base import KVView
+from hybridlm import ops, rollback
+from hybridlm.kv.base import KVView
+from hybridlm.ops.attention import slot_mask
 
 #: ``visible_until`` of a key that no later query slot stops seeing
 NEVER = torch.iinfo(torch.long).max

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
+from hybridlm import ops
 
 
 class ShortConv(nn.Conv1d):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norms import at_least_fp32
+from hybridlm.layers.norms import at_least_fp32
 
 GATED = {"silu": F.silu, "gelu": F.gelu}
 

@@ -1,6 +1,6 @@
 """Sequence mixers behind one contract (see :mod:`hybridlm.mixers.base`), registered by name."""
 
-from . import (  # noqa: F401  (each registers itself)
+from hybridlm.mixers import (  # noqa: F401  (each registers itself)
     attention,
     gated_deltanet,
     kda,
@@ -12,8 +12,8 @@ from . import (  # noqa: F401  (each registers itself)
     performer,
     short_conv,
 )
-from .base import MIXERS, Mixer, invalid_config, pattern_letters, register
-from .parallel import ParallelMixer, build_mixer, mixer_class, mixer_parts
+from hybridlm.mixers.base import MIXERS, Mixer, invalid_config, pattern_letters, register
+from hybridlm.mixers.parallel import ParallelMixer, build_mixer, mixer_class, mixer_parts
 
 __all__ = ["MIXERS", "Mixer", "ParallelMixer", "build_mixer", "invalid_config", "mixer_class", "mixer_parts",
            "pattern_letters", "register"]

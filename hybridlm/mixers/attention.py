@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
-from ..cache import KVLayout, KVState, KVView
-from ..kv.layouts import RingKV
-from ..layers.norms import RMSNorm
-from ..layers.rotary import RotaryEmbedding, scaling_problem
-from ..ops.attention import attention_with_probs, slot_mask
-from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
-from .segments import check_stateless
+from hybridlm import ops
+from hybridlm.cache import KVLayout, KVState, KVView
+from hybridlm.kv.layouts import RingKV
+from hybridlm.layers.norms import RMSNorm
+from hybridlm.layers.rotary import RotaryEmbedding, scaling_problem
+from hybridlm.mixers.base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops.attention import attention_with_probs, slot_mask
 
 
 @register("attention")

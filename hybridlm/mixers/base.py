@@ -22,7 +22,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from ..cache import LayerState
+from hybridlm.cache import LayerState
 
 MIXERS: dict[str, type[Mixer]] = {}
 

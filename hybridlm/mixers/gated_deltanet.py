@@ -14,14 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
-from ..cache import SSMState
-from ..layers.conv import ShortConv
-from ..layers.norms import GatedRMSNorm, at_least_fp32
-from ..ops.causal_conv1d import causal_conv1d_windows
-from ..ops.delta_rule import gated_delta_rule_states
-from .base import Mixer, invalid_config, register, zero_padding
-from .segments import check_stateless
+from hybridlm import ops
+from hybridlm.cache import SSMState
+from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.norms import GatedRMSNorm, at_least_fp32
+from hybridlm.mixers.base import Mixer, invalid_config, register, zero_padding
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops.causal_conv1d import causal_conv1d_windows
+from hybridlm.ops.delta_rule import gated_delta_rule_states
 
 L2_EPS = 1e-6  # as fla and transformers: x / sqrt(sum(x^2) + eps)
 

@@ -20,13 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache import SSMState
-from ..layers.conv import ShortConv
-from ..layers.norms import RMSNorm, at_least_fp32
-from ..ops.causal_conv1d import causal_conv1d_windows
-from .base import Mixer, invalid_config, register, zero_padding
-from .gated_deltanet import check_positive, delta_rule_state, l2_normalize, run_delta_rule
-from .segments import check_stateless
+from hybridlm.cache import SSMState
+from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.norms import RMSNorm, at_least_fp32
+from hybridlm.mixers.base import Mixer, invalid_config, register, zero_padding
+from hybridlm.mixers.gated_deltanet import check_positive, delta_rule_state, l2_normalize, run_delta_rule
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops.causal_conv1d import causal_conv1d_windows
 
 
 @register("kda")

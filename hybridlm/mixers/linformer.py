@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
-from ..cache import CompressedKVState
-from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register, zero_padding
-from .segments import check_stateless
+from hybridlm import ops
+from hybridlm.cache import CompressedKVState
+from hybridlm.mixers.base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register, zero_padding
+from hybridlm.mixers.segments import check_stateless
 
 PREFIX_REDUCTIONS = ("mean", "sum")
 

@@ -13,14 +13,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
-from ..cache import SSMState
-from ..layers.conv import ShortConv
-from ..layers.norms import RMSNorm
-from ..ops.causal_conv1d import causal_conv1d_windows
-from ..ops.selective_scan import selective_scan_with_states
-from .base import Mixer, check_dt_range, register, zero_padding
-from .segments import check_stateless
+from hybridlm import ops
+from hybridlm.cache import SSMState
+from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.norms import RMSNorm
+from hybridlm.mixers.base import Mixer, check_dt_range, register, zero_padding
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops.causal_conv1d import causal_conv1d_windows
+from hybridlm.ops.selective_scan import selective_scan_with_states
 
 
 def inverse_softplus_dt(size: int, dt_min: float, dt_max: float, floor: float) -> torch.Tensor:

@@ -11,15 +11,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
-from ..cache import SSMState
-from ..layers.conv import ShortConv
-from ..layers.norms import GatedRMSNorm
-from ..ops import ssd
-from ..ops.causal_conv1d import causal_conv1d_windows
-from .base import Mixer, check_dt_range, invalid_config, register, zero_padding
-from .mamba import inverse_softplus_dt
-from .segments import check_stateless
+from hybridlm import ops
+from hybridlm.cache import SSMState
+from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.norms import GatedRMSNorm
+from hybridlm.mixers.base import Mixer, check_dt_range, invalid_config, register, zero_padding
+from hybridlm.mixers.mamba import inverse_softplus_dt
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops import ssd
+from hybridlm.ops.causal_conv1d import causal_conv1d_windows
 
 
 @register("mamba2")

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import ops
-from ..cache import RecurrentState
-from ..layers.norms import GatedRMSNorm, RMSNorm
-from ..ops.mamba3 import Mamba3Carry, fold_previous, mamba3_scan_states, rotary_angles
-from .base import Mixer, check_dt_range, invalid_config, register, zero_padding
-from .mamba import inverse_softplus_dt
-from .segments import check_stateless
+from hybridlm import ops
+from hybridlm.cache import RecurrentState
+from hybridlm.layers.norms import GatedRMSNorm, RMSNorm
+from hybridlm.mixers.base import Mixer, check_dt_range, invalid_config, register, zero_padding
+from hybridlm.mixers.mamba import inverse_softplus_dt
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops.mamba3 import Mamba3Carry, fold_previous, mamba3_scan_states, rotary_angles
 
 #: mamba-ssm's fixed eps of the B/C norms and of the output norm
 NORM_EPS = 1e-5

@@ -26,14 +26,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
-from ..cache import KVView
-from ..kv.latent import LatentKV
-from ..layers.norms import RMSNorm
-from ..layers.rotary import RotaryEmbedding
-from ..ops.attention import slot_mask
-from .base import Mixer, invalid_config, register
-from .segments import check_stateless
+from hybridlm import ops
+from hybridlm.cache import KVView
+from hybridlm.kv.latent import LatentKV
+from hybridlm.layers.norms import RMSNorm
+from hybridlm.layers.rotary import RotaryEmbedding
+from hybridlm.mixers.base import Mixer, invalid_config, register
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops.attention import slot_mask
 
 LATENT_NORM_EPS = 1e-6  # the q and kv latent norms' eps in DeepSeek-V3 and Kimi Linear (not rms_norm_eps)
 

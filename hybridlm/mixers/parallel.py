@@ -12,9 +12,9 @@ from __future__ import annotations
 import functools
 from typing import ClassVar
 
-from ..cache import StateGroup
-from .base import MIXERS, Mixer
-from .segments import mix
+from hybridlm.cache import StateGroup
+from hybridlm.mixers.base import MIXERS, Mixer
+from hybridlm.mixers.segments import mix
 
 
 def mixer_parts(entry: str) -> list[str]:

@@ -26,11 +26,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .. import ops
-from ..cache import LinearAttentionState
-from ..ops.ssd import decay_scan_states
-from .base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register
-from .segments import check_stateless
+from hybridlm import ops
+from hybridlm.cache import LinearAttentionState
+from hybridlm.mixers.base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops.ssd import decay_scan_states
 
 
 def orthogonal_random_features(features: int, dim: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import rollback
+from hybridlm import rollback
 
 
 @dataclass(frozen=True, eq=False)

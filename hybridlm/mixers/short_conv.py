@@ -11,12 +11,12 @@ import dataclasses
 import torch
 from torch import nn
 
-from ..cache import RecurrentState
-from ..layers.conv import ShortConv
-from ..ops.causal_conv1d import causal_conv1d_windows
-from .base import Mixer, register, zero_padding
-from .gated_deltanet import check_positive
-from .segments import check_stateless
+from hybridlm.cache import RecurrentState
+from hybridlm.layers.conv import ShortConv
+from hybridlm.mixers.base import Mixer, register, zero_padding
+from hybridlm.mixers.gated_deltanet import check_positive
+from hybridlm.mixers.segments import check_stateless
+from hybridlm.ops.causal_conv1d import causal_conv1d_windows
 
 
 @dataclasses.dataclass

@@ -5,8 +5,8 @@ The names exported here are what the mixers call. Each runs the backend chosen f
 ``HYBRIDLM_BACKEND`` / :func:`use_backend` force.
 """
 
-from .backend_report import report
-from .backends import BackendUnavailable, Dispatcher, use_backend
+from hybridlm.ops.backend_report import report
+from hybridlm.ops.backends import BackendUnavailable, Dispatcher, use_backend
 
 attention = Dispatcher("attention")
 causal_compressed_attention = Dispatcher("causal_compressed_attention")

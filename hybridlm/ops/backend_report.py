@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from .backends import BACKENDS, ENV_VAR, PREFERENCE, current, in_use_backend_block, unavailable_reason
+from hybridlm.ops.backends import BACKENDS, ENV_VAR, PREFERENCE, current, in_use_backend_block, unavailable_reason
 
 
 def report(device: str | torch.device | None = None) -> str:

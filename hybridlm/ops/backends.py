@@ -34,16 +34,16 @@ from collections.abc import Callable
 
 import torch
 
-from .attention import attention_ref
-from .causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
-from .compressed_attention import causal_compressed_attention_ref
-from .delta_rule import gated_delta_rule_ref, gated_delta_rule_step_ref
-from .linear_attention import causal_linear_attention_ref
-from .mamba3 import mamba3_scan_ref, mamba3_step_ref
-from .packing import PACKING_ARGUMENTS, takes_packing
-from .paged_attention import paged_attention_ref
-from .selective_scan import selective_scan_ref, selective_state_update_ref
-from .ssd import ssd_chunk_scan_ref
+from hybridlm.ops.attention import attention_ref
+from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
+from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
+from hybridlm.ops.delta_rule import gated_delta_rule_ref, gated_delta_rule_step_ref
+from hybridlm.ops.linear_attention import causal_linear_attention_ref
+from hybridlm.ops.mamba3 import mamba3_scan_ref, mamba3_step_ref
+from hybridlm.ops.packing import PACKING_ARGUMENTS, takes_packing
+from hybridlm.ops.paged_attention import paged_attention_ref
+from hybridlm.ops.selective_scan import selective_scan_ref, selective_state_update_ref
+from hybridlm.ops.ssd import ssd_chunk_scan_ref
 
 ENV_VAR = "HYBRIDLM_BACKEND"
 AUTO = "auto"
@@ -144,7 +144,7 @@ def _probe(backend: str, op: str, device_type: str) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
     if backend == "cuda":
-        from . import cuda
+        from hybridlm.ops import cuda
 
         return cuda.unavailable_reason()
     if importlib.util.find_spec(backend) is None:
@@ -173,13 +173,13 @@ def _loader(backend: str, op: str) -> Callable[[], Callable]:
         return lambda: getattr(importlib.import_module("hybridlm.ops.triton"), op)
     if backend == "cuda":
         def load_cuda():
-            from . import cuda
+            from hybridlm.ops import cuda
 
             cuda.load_library()  # builds the extension on first use
             return cuda.selective_scan
 
         return load_cuda
-    from .external import LOADERS
+    from hybridlm.ops.external import LOADERS
 
     return LOADERS[(backend, op)]
 

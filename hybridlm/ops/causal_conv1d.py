@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .packing import check_initial_states, packed_sequences, token_sequences
+from hybridlm.ops.packing import check_initial_states, packed_sequences, token_sequences
 
 ACTIVATIONS = (None, "silu")
 

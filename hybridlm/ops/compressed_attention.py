@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .packing import packed_sequences, token_sequences
+from hybridlm.ops.packing import packed_sequences, token_sequences
 
 
 def causal_compressed_attention_ref(

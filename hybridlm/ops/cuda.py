@@ -20,7 +20,7 @@ from time import perf_counter
 
 import torch
 
-from .backends import Declined
+from hybridlm.ops.backends import Declined
 
 KERNEL_DIR = Path(__file__).resolve().parent / "cuda_src" / "selective_scan"
 SOURCES = ("binding.cpp", "selective_scan_fwd.cu", "selective_scan_bwd.cu")

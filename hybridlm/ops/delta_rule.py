@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .ssd import packed_sequences
+from hybridlm.ops.ssd import packed_sequences
 
 # The channel-wise gate's decay tensor [..., L, L, dim_k] is dim_k times the scalar gate's (268 MB per layer at 2048
 # tokens, 8 heads of 64 keys, chunk 64): it is formed a slice of chunks at a time, each at most this many elements.

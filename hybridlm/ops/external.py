@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .backends import Declined
+from hybridlm.ops.backends import Declined
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 _SCAN_TYPES = (torch.float32, *_HALF_TYPES)
@@ -189,7 +189,7 @@ def _mamba3_declines(q, v, angles, mimo_v, norm_weight, rope_pairs, seq_idx=None
 def mamba3_siso_scan():
     from mamba_ssm.ops.triton.mamba3.mamba3_siso_combined import mamba3_siso_combined
 
-    from .mamba3 import Mamba3Carry
+    from hybridlm.ops.mamba3 import Mamba3Carry
 
     def mamba3_scan(q, k, v, log_decay, dt, trap, angles, q_bias, k_bias, *, D=None, z=None, mimo_v=None,
                     mimo_z=None, mimo_o=None, norm_weight=None, norm_eps=1e-5, rope_pairs="interleaved",

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .packing import check_initial_states, packed_sequences
-from .ssd import chunked_decay_scan
+from hybridlm.ops.packing import check_initial_states, packed_sequences
+from hybridlm.ops.ssd import chunked_decay_scan
 
 
 def causal_linear_attention_ref(

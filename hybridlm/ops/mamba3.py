@@ -70,8 +70,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .packing import check_initial_states, nonempty_spans, packed_sequences, token_sequences
-from .ssd import chunked_decay_scan, decay_scan_states
+from hybridlm.ops.packing import check_initial_states, nonempty_spans, packed_sequences, token_sequences
+from hybridlm.ops.ssd import chunked_decay_scan, decay_scan_states
 
 ROPE_PAIRS = ("interleaved", "halves")
 _TWO_PI = 2 * math.pi

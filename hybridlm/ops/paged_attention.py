@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention_ref
+from hybridlm.ops.attention import attention_ref
 
 
 def paged_attention_ref(

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .packing import check_initial_states, nonempty_spans, packed_sequences
+from hybridlm.ops.packing import check_initial_states, nonempty_spans, packed_sequences
 
 # Working tensors are [block, batch, dim, dstate]; about 4 MiB of fp32 each keeps them in the allocator's
 # reuse pool (fresh multi-MiB allocations page-fault on every call and cost more than the arithmetic).

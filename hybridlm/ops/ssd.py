@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from .packing import check_initial_states, nonempty_spans, packed_sequences
+from hybridlm.ops.packing import check_initial_states, nonempty_spans, packed_sequences
 
 __all__ = ["chunked_decay_scan", "packed_sequences", "segment_sum", "ssd_chunk_scan_ref", "ssd_through"]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save
 
-from ..files import (
+from hybridlm.files import (
     load_safetensors,
     load_torch,
     parse_json,

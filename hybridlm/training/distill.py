@@ -32,8 +32,8 @@ import json
 import time
 from pathlib import Path
 
-from ..cli_common import add_options, option
-from .config import LAYOUTS, PRECISIONS, TrainConfig
+from hybridlm.cli_common import add_options, option
+from hybridlm.training.config import LAYOUTS, PRECISIONS, TrainConfig
 
 #: The mixers that may replace attention, and the initialisations of a new mixer (see distill_student).
 NEW_MIXERS = ("mamba2", "gated_deltanet", "mamba")
@@ -112,7 +112,7 @@ def load_teacher(spec: str):
     """The teacher, fp32, frozen, in eval mode; a source hybridlm cannot read is an error naming it."""
     import torch
 
-    from .. import load
+    from hybridlm import load
 
     path = Path(spec)
     if not path.exists():
@@ -127,12 +127,12 @@ def load_teacher(spec: str):
 
 def teacher_tokenizer(spec: str, vocab_size: int):
     """The teacher's tokenizer (with its chat template): its directory's, or the one a GGUF file holds."""
-    from ..paths import split_gguf_path
-    from .tokenizer import check_tokenizer_fits, has_tokenizer, load_tokenizer
+    from hybridlm.paths import split_gguf_path
+    from hybridlm.training.tokenizer import check_tokenizer_fits, has_tokenizer, load_tokenizer
 
     gguf = split_gguf_path(spec, None)
     if gguf is not None:
-        from ..formats.gguf import read_gguf_tokenizer
+        from hybridlm.formats.gguf import read_gguf_tokenizer
 
         tokenizer = read_gguf_tokenizer(*gguf)
         if tokenizer is None:
@@ -209,7 +209,7 @@ def kl_losses(teacher, temperature: float = 1.0, ce_weight: float = 0.0):
     import torch
     import torch.nn.functional as F
 
-    from .loop import _autocast
+    from hybridlm.training.loop import _autocast
 
     def losses(model, batch, precision: str = "fp32"):
         device = next(model.parameters()).device
@@ -244,7 +244,7 @@ class _CpuClock:
 
     def hours(self, metrics: Path, before: float) -> float:
         if self.base is None:  # first evaluation of a stage: the metrics were truncated to the resumed step
-            from .metrics import read_metrics
+            from hybridlm.training.metrics import read_metrics
 
             rows = [r for r in read_metrics(metrics) if "cpu_hours" in r] if metrics.is_file() else []
             self.base = rows[-1]["cpu_hours"] if rows else before
@@ -256,8 +256,8 @@ def _eval_fields(teacher, held_out, config: TrainConfig, clock: _CpuClock, metri
     """The loop's ``eval_fields``: the teacher's loss and bits per byte on the rows the student was evaluated on,
     in the same precision (computed once per row count), the CPU-hours so far, and in stage 1 each new mixer's
     held-out error."""
-    from .distill_transfer import held_out_errors
-    from .loop import evaluate
+    from hybridlm.training.distill_transfer import held_out_errors
+    from hybridlm.training.loop import evaluate
 
     teacher_losses: dict[int, float] = {}
 
@@ -280,13 +280,13 @@ def _mean(values: list[float]) -> float:
 
 
 def _write_summary(out: Path, summary: dict) -> None:
-    from ..files import write_file
+    from hybridlm.files import write_file
 
     write_file(out / SUMMARY, json.dumps(summary, indent=1))
 
 
 def _lora_targets(model, replaced: list[int], on: str) -> list[str]:
-    from .lora import linear_module_names
+    from hybridlm.training.lora import linear_module_names
 
     new = tuple(f"model.layers.{i}.mixer." for i in replaced)
     return [name for name in linear_module_names(model) if on == "all" or name.startswith(new) == (on == "new")]
@@ -315,17 +315,17 @@ def run(args) -> dict:
 
     import torch
 
-    from ..files import read_json, recoverable, save_pretrained_aside
-    from ..model import HybridForCausalLM
-    from .checkpoint import CHECKPOINT_DIR, check_new_run, recover_checkpoint
-    from .distill_data import distill_rows
-    from .distill_student import build_student, kept_layers, parse_layers, replaced_layers
-    from .distill_transfer import AttentionTransfer, fit_output_scales, transfer_losses
-    from .distributed import SingleProcess, from_environment
-    from .finetune import check_exportable
-    from .loop import train
-    from .packing import rows_for_step
-    from .pretrain import check_same_settings, check_seq_len, record_settings
+    from hybridlm.files import read_json, recoverable, save_pretrained_aside
+    from hybridlm.model import HybridForCausalLM
+    from hybridlm.training.checkpoint import CHECKPOINT_DIR, check_new_run, recover_checkpoint
+    from hybridlm.training.distill_data import distill_rows
+    from hybridlm.training.distill_student import build_student, kept_layers, parse_layers, replaced_layers
+    from hybridlm.training.distill_transfer import AttentionTransfer, fit_output_scales, transfer_losses
+    from hybridlm.training.distributed import SingleProcess, from_environment
+    from hybridlm.training.finetune import check_exportable
+    from hybridlm.training.loop import train
+    from hybridlm.training.packing import rows_for_step
+    from hybridlm.training.pretrain import check_same_settings, check_seq_len, record_settings
 
     parallel = SingleProcess() if args.parallel == "none" else from_environment(args.parallel)
     _check_options(args, parallel)
@@ -408,7 +408,7 @@ def run(args) -> dict:
         else:
             model = student.requires_grad_(True)
             if args.lora:
-                from .lora import add_lora
+                from hybridlm.training.lora import add_lora
 
                 model = add_lora(student, args.lora, args.lora_alpha,
                                  targets=_lora_targets(student, replaced, args.lora_on))
@@ -421,7 +421,7 @@ def run(args) -> dict:
         else:
             trained = parallel.full_model(model)
             if args.lora and trained is not None:
-                from .lora import merge_lora
+                from hybridlm.training.lora import merge_lora
 
                 trained = merge_lora(trained)
         tokens += config.steps * config.batch_size * args.seq_len
@@ -454,7 +454,7 @@ def run(args) -> dict:
 def _kv_bytes(teacher_config, student_config) -> dict:
     """Attention KV bytes per token (16-bit) and each model's fixed cache bytes, from the cache's own accounting
     (:func:`hybridlm.kv.memory.memory_rows`) at an 8K context."""
-    from ..kv.memory import memory_rows
+    from hybridlm.kv.memory import memory_rows
 
     result = {}
     for name, config in (("teacher", teacher_config), ("student", student_config)):
@@ -474,8 +474,8 @@ def plot_distillation(out: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    from ..files import read_json, written_aside
-    from .metrics import read_metrics
+    from hybridlm.files import read_json, written_aside
+    from hybridlm.training.metrics import read_metrics
 
     summary = read_json(out / SUMMARY) if (out / SUMMARY).is_file() else {}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
@@ -517,6 +517,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from ..cli_common import run_reporting_bad_input
+    from hybridlm.cli_common import run_reporting_bad_input
 
     run_reporting_bad_input("python -m hybridlm.training.distill", main)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .evaluation import HeldOut
-from .packing import PackedRows, pack_documents
+from hybridlm.training.evaluation import HeldOut
+from hybridlm.training.packing import PackedRows, pack_documents
 
 #: Documents of an ``input_ids`` JSONL file checked to round-trip through the teacher's tokenizer, and the share
 #: of them that must.
@@ -96,7 +96,7 @@ def _texts(documents: list[str | list[int]], tokenizer) -> list[str]:
 
 def documents(data: list[str] | None, eval_data: list[str] | None, tokenizer):
     """Training and held-out documents (each text or ids) from ``--data`` / ``--eval-data``."""
-    from .corpus import expand_paths, stdlib_corpus, text_corpus
+    from hybridlm.training.corpus import expand_paths, stdlib_corpus, text_corpus
 
     if data is None and eval_data is None:
         corpus = stdlib_corpus()

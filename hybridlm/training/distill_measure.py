@@ -32,8 +32,8 @@ def decode_rows(teacher_dir: str, student_dir: str, contexts: list[int], steps: 
     """One row per model: KV bytes per token, fixed bytes and min / median ms per token at each context."""
     import torch
 
-    from .. import load
-    from ..bench import compare_stacks
+    from hybridlm import load
+    from hybridlm.bench import compare_stacks
 
     models = {"teacher": load(teacher_dir, dtype=torch.float32).eval(),
               "student": load(student_dir, dtype=torch.float32).eval()}
@@ -169,8 +169,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def recall_report(args) -> dict:
     import torch
 
-    from .. import load
-    from .distill import teacher_tokenizer
+    from hybridlm import load
+    from hybridlm.training.distill import teacher_tokenizer
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

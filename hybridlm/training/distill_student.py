@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .distill import INITS, NEW_MIXERS  # declared beside the command-line options (no torch there)
+from hybridlm.training.distill import INITS, NEW_MIXERS  # declared beside the command-line options (no torch there)
 
 #: The bias of a neutral gate: ``silu(GATE_BIAS) = 1``.
 GATE_BIAS = 1.2784645
@@ -119,7 +119,7 @@ def init_problem(config, mixer: str) -> str | None:
 
 def student_config(teacher_config, keep: list[int], mixer: str, init: str = "attention"):
     """The teacher's config with every attention layer not in ``keep`` replaced by ``mixer``."""
-    from ..config import HybridConfig
+    from hybridlm.config import HybridConfig
 
     if mixer not in NEW_MIXERS:
         raise ValueError(f"--mixer {mixer!r}: a student's new layers are one of {', '.join(NEW_MIXERS)}")
@@ -219,7 +219,7 @@ def init_from_attention(mixer, attention, config) -> None:
 @torch.no_grad()
 def build_student(teacher, keep: list[int], mixer: str, init: str = "attention", seed: int = 0):
     """The student of ``teacher`` (see the module docstring); ``seed`` draws the new mixers' fresh parameters."""
-    from ..model import HybridForCausalLM
+    from hybridlm.model import HybridForCausalLM
 
     config = student_config(teacher.config, keep, mixer, init)
     torch.manual_seed(seed)

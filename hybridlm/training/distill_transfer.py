@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..mixers.segments import mix
+from hybridlm.mixers.segments import mix
 
 _EPS = 1e-6  # added to |attention(x)|^2
 
@@ -127,7 +127,7 @@ def fit_output_scales(model: AttentionTransfer, batch: dict[str, torch.Tensor]) 
 def transfer_losses(model, batch: dict[str, torch.Tensor], precision: str = "fp32"):
     """The training loop's ``losses`` for stage 1: the layers' mean error summed over the labelled tokens (those
     the loop counts as targets: every token but a row's first and a document's first), their count, no aux."""
-    from .loop import _autocast
+    from hybridlm.training.loop import _autocast
 
     device = next(model.parameters()).device
     batch = {name: tensor.to(device) for name, tensor in batch.items()}
@@ -141,7 +141,7 @@ def transfer_losses(model, batch: dict[str, torch.Tensor], precision: str = "fp3
 @torch.no_grad()
 def held_out_errors(model, rows, layout: str, limit: int, batch_size: int = 8, precision: str = "fp32") -> list[float]:
     """Each replaced layer's mean error over the labelled tokens of the first ``limit`` held-out rows."""
-    from .loop import _autocast
+    from hybridlm.training.loop import _autocast
 
     was_training = model.training
     model.eval()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..files import read_manifest, staging_path, torch_bytes, verify_directory, write_file
-from .checkpoint import (
+from hybridlm.files import read_manifest, staging_path, torch_bytes, verify_directory, write_file
+from hybridlm.training.checkpoint import (
     CHECKPOINT_DIR,
     TRAINER_STATE,
     check_resumable,
@@ -143,7 +143,7 @@ class DataParallel(_Distributed):
     def wrap(self, model):
         from torch.nn.parallel import DistributedDataParallel
 
-        from ..layers.mlp import MoE
+        from hybridlm.layers.mlp import MoE
 
         self._prepare(model)
         # top-k routing may leave an expert without tokens in a step
@@ -207,7 +207,7 @@ class FullyShardedParallel(_Distributed):
         weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not self.is_main:
             return None
-        from ..model import HybridForCausalLM
+        from hybridlm.model import HybridForCausalLM
 
         plain = HybridForCausalLM(model.config)
         plain.load_state_dict(weights)

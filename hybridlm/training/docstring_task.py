@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ast
 
-from .corpus import HELD_OUT_STDLIB, stdlib_root
+from hybridlm.training.corpus import HELD_OUT_STDLIB, stdlib_root
 
 MAX_CHARS = 1200  # longer functions are skipped: the task stays small and fits short rows
 

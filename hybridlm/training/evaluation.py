@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .loop import evaluate
-from .packing import PackedRows, pack_documents, tokenize_documents
+from hybridlm.training.loop import evaluate
+from hybridlm.training.packing import PackedRows, pack_documents, tokenize_documents
 
 
 @dataclass

@@ -16,8 +16,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli_common import add_options, option
-from .config import PRECISIONS, TrainConfig
+from hybridlm.cli_common import add_options, option
+from hybridlm.training.config import PRECISIONS, TrainConfig
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
@@ -117,7 +117,7 @@ def pack_examples(encoded: list[tuple[list[int], list[bool]]], seq_len: int, pad
     each row's tail is padding (untrained). Returns :class:`~hybridlm.training.packing.PackedRows`."""
     import torch
 
-    from .packing import PackedRows
+    from hybridlm.training.packing import PackedRows
 
     rows: list[tuple[list[int], list[int], list[bool]]] = []
     ids, positions, trained = [], [], []
@@ -174,7 +174,7 @@ OPTIONS = [
 
 def _examples(args) -> tuple[list[dict], list[dict]]:
     if args.data in BUILTIN_TASKS:
-        from .docstring_task import docstring_examples
+        from hybridlm.training.docstring_task import docstring_examples
 
         train = docstring_examples(held_out=False)
         return train, (read_examples(args.eval_data, "--eval-data") if args.eval_data
@@ -189,7 +189,7 @@ def _examples(args) -> tuple[list[dict], list[dict]]:
 
 def _source_format(spec: str) -> str:
     """``hybridlm`` for hybridlm's own checkpoints and presets, else the checkpoint's ``model_type``."""
-    from ..formats import is_own, read_config
+    from hybridlm.formats import is_own, read_config
 
     if not Path(spec).is_dir():
         return "hybridlm"
@@ -199,7 +199,7 @@ def _source_format(spec: str) -> str:
 
 def check_exportable(model, fmt: str) -> None:
     """Raise, before training, if ``model`` cannot be written as ``fmt``."""
-    from ..formats import FORMATS, check_expressible, undeclared_options
+    from hybridlm.formats import FORMATS, check_expressible, undeclared_options
 
     if fmt == "hybridlm":
         return
@@ -215,11 +215,11 @@ def run(args) -> dict:
     """Validate, encode and pack, evaluate, train, evaluate, save; returns the eval losses before and after."""
     import torch
 
-    from ..files import write_file
-    from .checkpoint import check_new_run
-    from .loop import evaluate, train
-    from .pretrain import build_model, check_seq_len
-    from .tokenizer import load_tokenizer
+    from hybridlm.files import write_file
+    from hybridlm.training.checkpoint import check_new_run
+    from hybridlm.training.loop import evaluate, train
+    from hybridlm.training.pretrain import build_model, check_seq_len
+    from hybridlm.training.tokenizer import load_tokenizer
 
     config = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
                          warmup=args.warmup, precision=args.precision, checkpointing=args.checkpointing,
@@ -247,7 +247,7 @@ def run(args) -> dict:
     rows = pack_examples(train_encoded, args.seq_len, pad)
     eval_rows = pack_examples(eval_encoded, args.seq_len, pad)
     if args.lora:
-        from .lora import add_lora
+        from hybridlm.training.lora import add_lora
 
         model = add_lora(model, args.lora, args.lora_alpha)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -266,14 +266,14 @@ def run(args) -> dict:
 
 def _save(model, tokenizer, args, fmt: str) -> None:
     """Adapters alone (``--lora``), or the whole model in ``fmt`` (full fine-tuning, ``--lora --merge``)."""
-    from ..files import save_pretrained_aside
+    from hybridlm.files import save_pretrained_aside
 
     if args.lora and not args.merge:
         model.peft_config["default"].base_model_name_or_path = str(args.model)
         save_pretrained_aside(model, args.out)
     else:
         if args.lora:
-            from .lora import merge_lora
+            from hybridlm.training.lora import merge_lora
 
             model = merge_lora(model)
         save_pretrained_aside(model, args.out, format=fmt)
@@ -286,6 +286,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from ..cli_common import run_reporting_bad_input
+    from hybridlm.cli_common import run_reporting_bad_input
 
     run_reporting_bad_input("python -m hybridlm.training.finetune", main)

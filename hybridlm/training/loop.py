@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpoint import recover_checkpoint
-from .config import TrainConfig
-from .metrics import MetricsLog, plot_loss
-from .packing import PackedRows, rows_for_step
+from hybridlm.training.checkpoint import recover_checkpoint
+from hybridlm.training.config import TrainConfig
+from hybridlm.training.metrics import MetricsLog, plot_loss
+from hybridlm.training.packing import PackedRows, rows_for_step
 
 
 def _autocast(precision: str, device: torch.device):
@@ -66,7 +66,7 @@ def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval
 
     ``parallel`` (a :class:`hybridlm.training.distributed.Parallel`; single-process when None) wraps the model,
     shards each global batch by rank and reduces the logged numbers."""
-    from .distributed import SingleProcess
+    from hybridlm.training.distributed import SingleProcess
 
     parallel = parallel or SingleProcess()
     micro = config.batch_size // config.grad_accum

@@ -7,7 +7,7 @@ import os
 import warnings
 from pathlib import Path
 
-from ..files import DamagedFileError, write_file, written_aside
+from hybridlm.files import DamagedFileError, write_file, written_aside
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -191,7 +191,7 @@ def mqar_config(mixer: str, hidden_size: int, state_size: int | None, seq_len: i
     recurrent state dimension of the fixed-state kinds (Mamba/Mamba-2 ``d_state``, Performer features,
     Linformer rank); attention and conv-attention have none. ``mamba2_norm``: Mamba-2's output gating
     (:class:`~hybridlm.HybridConfig` field of that name)."""
-    from ..config import HybridConfig
+    from hybridlm.config import HybridConfig
 
     if mixer not in MIXER_PATTERNS:
         raise ValueError(f"mixer must be one of {', '.join(MIXER_PATTERNS)}, got {mixer!r}")

@@ -12,8 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cli_common import add_options, option
-from .config import LAYOUTS, PRECISIONS, TrainConfig
+from hybridlm.cli_common import add_options, option
+from hybridlm.training.config import LAYOUTS, PRECISIONS, TrainConfig
 
 _DEFAULTS = TrainConfig()
 
@@ -65,7 +65,7 @@ def _train_config(args) -> TrainConfig:
 
 
 def _corpus(args):
-    from .corpus import stdlib_corpus, text_corpus
+    from hybridlm.training.corpus import stdlib_corpus, text_corpus
 
     if args.data is None and args.eval_data is None:
         return stdlib_corpus()
@@ -78,7 +78,7 @@ def _tokenizer(args, corpus, out: Path, resume: bool, parallel):
     """The run's tokenizer: ``--out``'s when resuming, ``--tokenizer``, a checkpoint ``--model``'s own (its
     embeddings learned those ids), else a BPE trained on the training text (by the main process; the others
     receive it, so no rank reads a file another is writing)."""
-    from .tokenizer import bpe_tokenizer_from_json, has_tokenizer, load_tokenizer, train_bpe_tokenizer
+    from hybridlm.training.tokenizer import bpe_tokenizer_from_json, has_tokenizer, load_tokenizer, train_bpe_tokenizer
 
     if resume:
         return load_tokenizer(out)
@@ -100,13 +100,13 @@ def build_model(spec: str, vocab_size: int, seed: int):
     the tokenizer's, a loaded model's must hold the tokenizer's."""
     import torch
 
-    from ..config import HybridConfig
-    from ..model import HybridForCausalLM
-    from ..presets import PRESETS, preset
+    from hybridlm.config import HybridConfig
+    from hybridlm.model import HybridForCausalLM
+    from hybridlm.presets import PRESETS, preset
 
     path = Path(spec)
     if path.is_dir():
-        from .. import load
+        from hybridlm import load
 
         model = load(path, dtype=torch.float32)
         if model.config.vocab_size < vocab_size:
@@ -150,7 +150,7 @@ def _run_settings(args, rows) -> dict:
 
 def record_settings(out: Path, settings: dict) -> None:
     """Write ``settings`` to ``OUT/run_settings.json`` (crash-safely), for :func:`check_same_settings`."""
-    from ..files import write_file
+    from hybridlm.files import write_file
 
     write_file(out / RUN_SETTINGS, json.dumps(settings, indent=1))
 
@@ -158,7 +158,7 @@ def record_settings(out: Path, settings: dict) -> None:
 def check_same_settings(out: Path, settings: dict) -> None:
     """``--resume`` continues exactly only with the settings of the run in ``out``: refuse others, naming them
     (a run written before this file existed is not checked)."""
-    from ..files import DamagedFileError, read_json
+    from hybridlm.files import DamagedFileError, read_json
 
     path = out / RUN_SETTINGS
     if not path.is_file():
@@ -177,13 +177,13 @@ def run(args) -> dict:
     """Validate, prepare the data, train, save the model with its tokenizer; returns the last metrics."""
     import torch
 
-    from ..files import save_pretrained_aside
-    from .checkpoint import check_new_run, check_resumable, existing_checkpoint, recover_checkpoint
-    from .distributed import SingleProcess, from_environment
-    from .evaluation import HeldOut
-    from .loop import train
-    from .packing import pack_documents, tokenize_documents
-    from .tokenizer import record_context_length
+    from hybridlm.files import save_pretrained_aside
+    from hybridlm.training.checkpoint import check_new_run, check_resumable, existing_checkpoint, recover_checkpoint
+    from hybridlm.training.distributed import SingleProcess, from_environment
+    from hybridlm.training.evaluation import HeldOut
+    from hybridlm.training.loop import train
+    from hybridlm.training.packing import pack_documents, tokenize_documents
+    from hybridlm.training.tokenizer import record_context_length
 
     config = _train_config(args)
     parallel = SingleProcess() if args.parallel == "none" else from_environment(args.parallel)
@@ -241,7 +241,7 @@ def run(args) -> dict:
 
 def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
     """Greedy continuation of ``prompt`` (a quick look at what the model learned)."""
-    from ..generation import IncrementalDecoder
+    from hybridlm.generation import IncrementalDecoder
 
     model.eval()
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -255,6 +255,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from ..cli_common import run_reporting_bad_input
+    from hybridlm.cli_common import run_reporting_bad_input
 
     run_reporting_bad_input("python -m hybridlm.training.pretrain", main)

@@ -44,7 +44,7 @@ def load_tokenizer(path: str | Path):
     """A tokenizer saved in a directory (``AutoTokenizer.from_pretrained``), with a clear error when missing."""
     from transformers import AutoTokenizer
 
-    from ..files import DamagedFileError
+    from hybridlm.files import DamagedFileError
 
     path = Path(path)
     if not path.is_dir():

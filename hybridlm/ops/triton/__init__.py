@@ -5,14 +5,14 @@ are compiled for CUDA tensors, or run by Triton's CPU interpreter when ``TRITON_
 this package is first imported (slow: for tests).
 """
 
-from .causal_conv1d import causal_conv1d, causal_conv1d_update
-from .delta_rule import gated_delta_rule
-from .linear_attention import causal_linear_attention
-from .mamba3 import mamba3_scan, mamba3_step
-from .paged_attention import paged_attention
-from .selective_scan import selective_scan
-from .ssd import ssd_chunk_scan
-from .state_update import selective_state_update
+from hybridlm.ops.triton.causal_conv1d import causal_conv1d, causal_conv1d_update
+from hybridlm.ops.triton.delta_rule import gated_delta_rule
+from hybridlm.ops.triton.linear_attention import causal_linear_attention
+from hybridlm.ops.triton.mamba3 import mamba3_scan, mamba3_step
+from hybridlm.ops.triton.paged_attention import paged_attention
+from hybridlm.ops.triton.selective_scan import selective_scan
+from hybridlm.ops.triton.ssd import ssd_chunk_scan
+from hybridlm.ops.triton.state_update import selective_state_update
 
 __all__ = [
     "causal_conv1d",

@@ -13,8 +13,8 @@ import triton.language as tl
 from triton import knobs
 from triton.errors import TritonError
 
-from ..backends import Declined
-from ..packing import token_sequences
+from hybridlm.ops.backends import Declined
+from hybridlm.ops.packing import token_sequences
 
 # Kernels are decorated when this package is imported; TRITON_INTERPRET decides then whether they run in
 # Triton's CPU interpreter or are compiled for the GPU.

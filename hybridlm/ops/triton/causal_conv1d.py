@@ -15,9 +15,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ..causal_conv1d import ACTIVATIONS
-from ..packing import check_initial_states, packed_sequences
-from ._common import (
+from hybridlm.ops.causal_conv1d import ACTIVATIONS
+from hybridlm.ops.packing import check_initial_states, packed_sequences
+from hybridlm.ops.triton._common import (
     Packing,
     block,
     check_device,

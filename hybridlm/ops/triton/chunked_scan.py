@@ -35,15 +35,15 @@ from __future__ import annotations
 import torch
 import triton
 
-from ._common import block, check_device, dot_dtype, launch, narrowest, new_buffer, state_dot_dtype
-from .chunked_scan_kernels import (
+from hybridlm.ops.triton._common import block, check_device, dot_dtype, launch, narrowest, new_buffer, state_dot_dtype
+from hybridlm.ops.triton.chunked_scan_kernels import (
     _chunk_cumsum_kernel,
     _chunk_scan_kernel,
     _chunk_scores_kernel,
     _chunk_state_kernel,
     _state_passing_kernel,
 )
-from .chunks import Chunks, packed_chunks, uniform_chunks
+from hybridlm.ops.triton.chunks import Chunks, packed_chunks, uniform_chunks
 
 _MAX_BLOCK_K = 64  # the state dimension (dstate 128-256) in blocks: registers and shared memory stay bounded
 _FP32_BLOCK_K = 32  # the same for fp32 inputs in the score and output kernels (see _score_blocks)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import cdiv, mm, program_id64, running_total, total, tuned
+from hybridlm.ops.triton._common import cdiv, mm, program_id64, running_total, total, tuned
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..packing import packed_sequences
+from hybridlm.ops.packing import packed_sequences
 
 
 @dataclass(frozen=True)

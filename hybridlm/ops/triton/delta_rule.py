@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..delta_rule import _check
-from ..ssd import packed_sequences
-from ._common import block, check_device, launch, new_buffer, program_id64, total
+from hybridlm.ops.delta_rule import _check
+from hybridlm.ops.ssd import packed_sequences
+from hybridlm.ops.triton._common import block, check_device, launch, new_buffer, program_id64, total
 
 CHUNK = 64  # tokens between state checkpoints (the backward's recomputation length)
 STATE_TILE = 4096  # most state elements per program (a value block's tile; registers on the GPU)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ..linear_attention import linear_attention_through
-from ..packing import check_initial_states
-from .chunked_scan import chunked_decay_scan
-from .chunks import scan_sequences
+from hybridlm.ops.linear_attention import linear_attention_through
+from hybridlm.ops.packing import check_initial_states
+from hybridlm.ops.triton.chunked_scan import chunked_decay_scan
+from hybridlm.ops.triton.chunks import scan_sequences
 
 
 def causal_linear_attention(

@@ -18,11 +18,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends import Declined
-from ..mamba3 import _check, mamba3_through
-from ._common import block, check_device, launch, new_buffer, program_id64, sigmoid, silu, total
-from .chunked_scan import chunked_decay_scan
-from .chunks import scan_sequences
+from hybridlm.ops.backends import Declined
+from hybridlm.ops.mamba3 import _check, mamba3_through
+from hybridlm.ops.triton._common import block, check_device, launch, new_buffer, program_id64, sigmoid, silu, total
+from hybridlm.ops.triton.chunked_scan import chunked_decay_scan
+from hybridlm.ops.triton.chunks import scan_sequences
 
 _MAX_TILE = 16384  # state elements one step program holds (head_dim 64 x d_state 256, 128 x 128)
 

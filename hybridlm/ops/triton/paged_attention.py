@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_device, launch, new_buffer, total
+from hybridlm.ops.triton._common import cdiv, check_device, launch, new_buffer, total
 
 
 @triton.jit

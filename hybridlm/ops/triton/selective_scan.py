@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..packing import check_initial_states, packed_sequences
-from ._common import (
+from hybridlm.ops.packing import check_initial_states, packed_sequences
+from hybridlm.ops.triton._common import (
     Packing,
     block,
     cdiv,
@@ -38,7 +38,7 @@ from ._common import (
     total,
     tuned,
 )
-from .selective_scan_steps import _chunk_states, _linear_recurrence, _load_dt, _row, _sequence_edges
+from hybridlm.ops.triton.selective_scan_steps import _chunk_states, _linear_recurrence, _load_dt, _row, _sequence_edges
 
 _CHUNK = 16
 _TILE_ELEMENTS = 2048  # chunk x channels x dstate held by one program (untuned)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._common import sequence_span, softplus, total
+from hybridlm.ops.triton._common import sequence_span, softplus, total
 
 
 @triton.jit

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..ssd import ssd_through
-from .chunked_scan import chunked_decay_scan
-from .chunks import scan_sequences
+from hybridlm.ops.ssd import ssd_through
+from hybridlm.ops.triton.chunked_scan import chunked_decay_scan
+from hybridlm.ops.triton.chunks import scan_sequences
 
 
 def ssd_chunk_scan(

@@ -12,7 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import block, check_device, launch, new_buffer, program_id64, silu, softplus, total, tuned
+from hybridlm.ops.triton._common import (
+    block,
+    check_device,
+    launch,
+    new_buffer,
+    program_id64,
+    silu,
+    softplus,
+    total,
+    tuned,
+)
 
 
 # BLOCK_P: fewer channels per program, more programs at small batches (bounded by the launch's, the widest that fits)
