@@ -5,7 +5,7 @@ with a fixed seed, loaded by hybridlm from the directory transformers wrote) and
 ``--context``-token prompt (4096), then times single-token decode steps:
 
 * ``transformers``: ``model(token, cache=..., use_cache=True)``, as its ``generate`` does;
-* ``eager``: :class:`hybridlm.decode.DecodeStep` on the cache ``IncrementalDecoder`` makes (no host sync);
+* ``eager``: :class:`hybridlm.decoding.decode_step.DecodeStep` on the cache ``IncrementalDecoder`` makes (no host sync);
 * ``compiled``: the same step through ``torch.compile`` on a static cache (``IncrementalDecoder(compile=True)``).
 
 The three take turns step by step (so machine load affects all alike) after ``--warmup`` steps each (the compile
@@ -31,8 +31,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import hybridlm  # noqa: E402
-from hybridlm.decode import DecodeStep  # noqa: E402
-from hybridlm.generation import STATIC_CAPACITY_STEP  # noqa: E402
+from hybridlm.decoding.decode_step import DecodeStep  # noqa: E402
+from hybridlm.decoding.incremental import STATIC_CAPACITY_STEP  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_speed import MODELS, VOCAB  # noqa: E402

@@ -145,7 +145,7 @@ def _compile_only(record: dict, path=None, arch: int = 90):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from benchmarks.gpu_check_steps import cubin_resources
+    from benchmarks.gpu_check_tools import cubin_resources
     from hybridlm.ops.triton import _common
 
     def launch(kernel, grid, *args, **kwargs):

@@ -7,21 +7,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.gpu_check_tools import run_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _run(command: list[str]) -> str:
-    try:
-        return subprocess.run(command, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as error:
-        return f"unavailable ({type(error).__name__})"
 
 
 def environment(out: Path, dry_run: bool) -> None:
@@ -30,8 +23,9 @@ def environment(out: Path, dry_run: bool) -> None:
     import triton
 
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "torch CUDA": torch.version.cuda,
-            "triton": triton.__version__, "nvcc": _run(["nvcc", "--version"]).splitlines()[-1:],
-            "nvidia-smi": _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"]),
+            "triton": triton.__version__, "nvcc": run_tool(["nvcc", "--version"]).splitlines()[-1:],
+            "nvidia-smi": run_tool(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                    "--format=csv,noheader"]),
             "CUDA_HOME": os.environ.get("CUDA_HOME")}
     if torch.cuda.is_available():
         info["gpu"] = f"{torch.cuda.get_device_name()} sm_{''.join(map(str, torch.cuda.get_device_capability()))}"
@@ -138,22 +132,6 @@ def benchmarks(out: Path, dry_run: bool) -> None:
     status = subprocess.run(command, cwd=ROOT).returncode
     if status:
         raise AssertionError(f"gpu_kernels.py exited with {status}")
-
-
-def cubin_resources(cubin: bytes) -> dict:
-    """Registers, stack and local memory (spills) per thread of a compiled kernel, from ``cuobjdump
-    --dump-resource-usage`` (the one Triton ships)."""
-    from triton import knobs
-
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "kernel.cubin"
-        path.write_bytes(cubin)
-        tool = Path(knobs.nvidia.ptxas.path).with_name("cuobjdump")
-        report = _run([str(tool), "--dump-resource-usage", str(path)])
-    found = dict(re.findall(r"\b(REG|STACK|LOCAL):(\d+)", report))
-    return {"registers": int(found["REG"]) if "REG" in found else None,
-            "stack_bytes": int(found["STACK"]) if "STACK" in found else None,
-            "local_bytes": int(found["LOCAL"]) if "LOCAL" in found else None}
 
 
 # ---- probes -----------------------------------------------------------------------------------------------------

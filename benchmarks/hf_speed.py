@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import hybridlm
-from hybridlm.bench import Timing
+from hybridlm.decoding.bench import Timing
 
 VOCAB = 1024
 

@@ -4,7 +4,7 @@ For each stack and context: decode ms per token (``--warmup`` untimed rounds, th
 the policies take turns step by step) with the fp cache, with 8/4/2-bit KV read from the codes (the default
 decode path), and with 4-bit KV through the reference path (dequantize the whole history every step, then
 SDPA), each with its ratio to fp. The caches are filled through each layout's own update
-(``hybridlm.bench.fill_cache``), so a quantized cache holds what it would after ``context`` tokens: all but the
+(``hybridlm.decoding.bench.fill_cache``), so a quantized cache holds what it would after ``context`` tokens: all but the
 last ``kv_residual`` (up to + group) as codes.
 
     python benchmarks/kv_quant_speed.py [--context 2048 8192] [--steps 15] [--warmup 3] [--threads 1]
@@ -18,8 +18,8 @@ import time
 import torch
 
 import hybridlm
-from hybridlm.bench import Timing, fill_cache
-from hybridlm.kv import QuantizedKV
+from hybridlm.cache.kv import QuantizedKV
+from hybridlm.decoding.bench import Timing, fill_cache
 from hybridlm.presets import preset
 
 STACKS = ("attention-small", "jamba-small")

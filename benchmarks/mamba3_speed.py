@@ -4,7 +4,8 @@
 d_state 32, SISO, rope fraction 0.5), random weights, batch 1:
 
 * chunked forward (the parallel form, no gradient) over ``--lengths`` tokens (2048 and 8192);
-* decode ms/token after a short prompt: :class:`hybridlm.decode.DecodeStep` eager and through ``torch.compile``
+* decode ms/token after a short prompt: :class:`hybridlm.decoding.decode_step.DecodeStep` eager and through
+``torch.compile``
   (a static cache), as ``benchmarks/decode_speed.py`` times it.
 
 The two models take turns call by call after a warm-up (the compile happens there), so machine load affects both
@@ -25,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 from hybridlm import HybridForCausalLM  # noqa: E402
-from hybridlm.decode import DecodeStep  # noqa: E402
-from hybridlm.generation import STATIC_CAPACITY_STEP  # noqa: E402
+from hybridlm.decoding.decode_step import DecodeStep  # noqa: E402
+from hybridlm.decoding.incremental import STATIC_CAPACITY_STEP  # noqa: E402
 from hybridlm.presets import preset  # noqa: E402
 
 MODELS = {"mamba2": "mamba2-small", "mamba3": "mamba3-small"}

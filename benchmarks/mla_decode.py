@@ -20,7 +20,7 @@ import time
 import torch
 
 from hybridlm import HybridConfig
-from hybridlm.bench import Timing
+from hybridlm.decoding.bench import Timing
 from hybridlm.mixers import MIXERS
 
 KIMI_WIDTHS = dict(mla_kv_lora_rank=512, mla_qk_nope_head_dim=128, mla_qk_rope_head_dim=64, mla_v_head_dim=128,

@@ -17,7 +17,7 @@ import time
 import torch
 
 import hybridlm
-from hybridlm.bench import Timing
+from hybridlm.decoding.bench import Timing
 from hybridlm.presets import preset
 
 STACKS = {

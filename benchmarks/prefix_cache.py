@@ -5,7 +5,7 @@ every other layer; random weights) answers requests made of one shared ``--syste
 and a fresh ``--question``-token question (64). Time to first token is the prefill of the whole request plus the
 choice of the first token (``next(decoder.stream(...))``), measured three ways:
 
-* no prefix cache: a plain :class:`~hybridlm.generation.IncrementalDecoder`, and the same with prefill chunks
+* no prefix cache: a plain :class:`~hybridlm.decoding.incremental.IncrementalDecoder`, and the same with prefill chunks
   no longer than a block (the cuts a prefix-caching decoder makes; its cost apart from the snapshots);
 * cold: a decoder with an empty :class:`~hybridlm.PrefixCache` (the miss, plus snapshotting every block);
 * hit: the system prompt's blocks are cached, so only the question (and the part of the prompt past the last
@@ -25,8 +25,8 @@ import time
 import torch
 
 import hybridlm
-from hybridlm.bench import Timing
-from hybridlm.generation import IncrementalDecoder
+from hybridlm.decoding.bench import Timing
+from hybridlm.decoding.incremental import IncrementalDecoder
 from hybridlm.presets import preset
 
 

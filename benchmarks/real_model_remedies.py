@@ -11,7 +11,7 @@ one PNG per item. Items, in run order:
 
 ``blocks``
     The check that makes the rest affordable on two cores. A 2-64-token forward on a warm cache is read as the
-    one-token decode steps it stands for (``hybridlm.kv.stepwise``: KIVI's aging, the sinks' positions; the
+    one-token decode steps it stands for (``hybridlm.cache.kv.stepwise``: KIVI's aging, the sinks' positions; the
     contiguous and window-only layouts need nothing), so "decoded token by token" is run as 64-token blocks.
     Reported: max |logits(one block of 64) - logits(64 one-token steps)| for sinks 4 + window 28 and 2-bit KIVI
     (group 32, residual 32); and max |logits| difference between a KIVI cache prefilled in one chunk and one
@@ -83,16 +83,16 @@ import torch.nn.functional as F
 
 import hybridlm
 from hybridlm import CachePolicy, PrefixCache, SpeculativeDecoding
-from hybridlm.bench import Timing
+from hybridlm.cache.kv.base import KVState
+from hybridlm.decoding.bench import Timing
+from hybridlm.decoding.incremental import IncrementalDecoder
 from hybridlm.files import write_file
-from hybridlm.generation import IncrementalDecoder
-from hybridlm.kv.base import KVState
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_model import held_out_code, require_model  # noqa: E402
 
 ITEMS = ("blocks", "kivi", "stream", "passkey", "speculative", "prefix", "speed")
-BLOCK = 64  # the longest forward read as decode steps (hybridlm.rollback.AUTO_CHECKPOINT_TOKENS)
+BLOCK = 64  # the longest forward read as decode steps (hybridlm.cache.rollback.AUTO_CHECKPOINT_TOKENS)
 
 
 # --- shared helpers ----------------------------------------------------------------------------------------------

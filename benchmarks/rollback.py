@@ -18,9 +18,8 @@ import time
 import torch
 
 import hybridlm
-from hybridlm import rollback
-from hybridlm.bench import Timing
-from hybridlm.cache import RecurrentState, StateGroup
+from hybridlm.cache import RecurrentState, StateGroup, rollback
+from hybridlm.decoding.bench import Timing
 from hybridlm.presets import preset
 
 STACKS = ("jamba-small", "mamba2-small", "bamba-small")

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 
 from hybridlm import SpeculativeDecoding
-from hybridlm.bench import Timing
 from hybridlm.bundled import load_bundled
-from hybridlm.generation import IncrementalDecoder
+from hybridlm.decoding.bench import Timing
+from hybridlm.decoding.incremental import IncrementalDecoder
 
 FILES = ("textwrap.py", "csv.py", "statistics.py")  # held out of the bundled models' training
 

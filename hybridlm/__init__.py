@@ -2,7 +2,7 @@
 
 The public names below are imported on first use, so that ``import hybridlm`` (and the ``hybridlm`` command's
 ``--help``) does not import torch or transformers. ``model_type="hybridlm"`` is registered with transformers'
-Auto classes (:mod:`hybridlm.hf_compat`) as soon as both hybridlm and transformers are imported, in either order:
+Auto classes (:mod:`hybridlm.model.hf_compat`) as soon as both hybridlm and transformers are imported, in either order:
 ``import hybridlm`` then ``AutoModelForCausalLM.from_pretrained(...)`` works as for any architecture.
 """
 
@@ -15,14 +15,14 @@ import sys
 
 #: Public name -> the module defining it.
 _PUBLIC = {
-    "CachePolicy": "kv.policy",
+    "CachePolicy": "cache",
     "HybridCache": "cache",
     "HybridConfig": "config",
     "HybridForCausalLM": "model",
     "HybridModel": "model",
-    "PrefixCache": "prefix_cache",
-    "SpeculativeDecoding": "speculative",
-    "load": "formats",
+    "PrefixCache": "decoding",
+    "SpeculativeDecoding": "decoding",
+    "load": "model",
     "bundled_model_dir": "bundled",
 }
 

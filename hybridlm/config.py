@@ -21,8 +21,8 @@ from transformers import GenerationConfig, PreTrainedConfig
 
 from hybridlm.config_rules import check_dtype, check_field, check_router, field_hints
 from hybridlm.mixers import MIXERS, Mixer, invalid_config, mixer_class, mixer_parts, pattern_letters
+from hybridlm.mixers.shared_blocks import SharedBlock
 from hybridlm.remote_code import AUTO_MAP
-from hybridlm.shared_blocks import SharedBlock
 
 MLP_TYPES = ("dense", "moe", "none")
 MLP_ACTIVATIONS = ("silu", "gelu", "relu2")
@@ -194,7 +194,7 @@ class HybridConfig(PreTrainedConfig):
     residual_multiplier: float = 1.0  # scales each mixer and MLP output before its residual add
     logits_multiplier: float = 1.0  # scales the logits
 
-    # --- shared transformer blocks (Zamba2), see hybridlm/shared_blocks.py -------------------------
+    # --- shared transformer blocks (Zamba2), see hybridlm/mixers/shared_blocks.py -------------------------
     shared_block_layers: list[int] | None = None  # layers whose mixer input gets a shared block's output
     num_shared_blocks: int = 1  # application k uses shared block k % num_shared_blocks
     shared_block_adapter_rank: int = 0  # > 0: per-application LoRA adapters on the shared MLP's gate/up

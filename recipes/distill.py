@@ -7,7 +7,7 @@ Mamba, initialised from the attention weights, then attention transfer and KL di
 See docs/distillation.md for every option and the SmolLM2-135M conversion measured with it.
 """
 
-from hybridlm.cli_common import run_reporting_bad_input
+from hybridlm.options import run_reporting_bad_input
 from hybridlm.training.distill import main
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ examples, or on the built-in offline task (docstring -> function from the standa
 See docs/training.md ("Fine-tuning") for every option.
 """
 
-from hybridlm.cli_common import run_reporting_bad_input
+from hybridlm.options import run_reporting_bad_input
 from hybridlm.training.finetune import main
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ Without ``--data`` it trains on the Python standard library shipped with the int
 See docs/training.md for every option, resuming, scale-out and how the bundled models were made.
 """
 
-from hybridlm.cli_common import run_reporting_bad_input
+from hybridlm.options import run_reporting_bad_input
 from hybridlm.training.pretrain import main
 
 if __name__ == "__main__":

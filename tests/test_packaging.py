@@ -7,6 +7,7 @@ second torch and running the suite on it does not fit the CI budget (2 cores, 10
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -57,20 +58,53 @@ def test_torch_floor_covers_every_version_gated_api_in_use():
                             "add the API that needs it to GATED_TORCH_APIS"
 
 
-def test_wheel_carries_the_cuda_sources(tmp_path):
+def test_wheel_carries_the_cuda_sources_and_build_kernels_finds_them(tmp_path):
+    """kernels/ ships in the wheel as hybridlm/_kernels, and an installed wheel (not the source tree) finds it."""
     pytest.importorskip("setuptools")
     from hybridlm.ops.cuda import KERNEL_DIR, SOURCES
 
-    relative = KERNEL_DIR.relative_to(PACKAGE.parent)  # cuda.py looks inside the package, not the source tree
+    assert KERNEL_DIR == ROOT / "kernels" / "selective_scan"  # here: the source tree
     source = tmp_path / "src"
     source.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(PACKAGE, source / "hybridlm", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("hybridlm", "kernels"):
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(source),
                     "-w", str(tmp_path / "wheel")], check=True, capture_output=True, timeout=300)
     (wheel,) = (tmp_path / "wheel").glob("hybridlm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {(relative / file.name).as_posix() for file in KERNEL_DIR.iterdir() if file.is_file()}
-    assert {(relative / name).as_posix() for name in SOURCES} <= expected
+    expected = {f"hybridlm/_kernels/{file.relative_to(ROOT / 'kernels').as_posix()}"
+                for file in (ROOT / "kernels").rglob("*") if file.is_file()}
+    assert {f"hybridlm/_kernels/selective_scan/{name}" for name in SOURCES} <= expected
     assert expected <= names, f"missing from the wheel: {sorted(expected - names)}"
+    assert not any(name.startswith("kernels/") for name in names), "kernels/ must not be a top-level package"
+
+    installed = tmp_path / "installed"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(installed), str(wheel)],
+                   check=True, capture_output=True, timeout=300)
+    import torch
+
+    check = ("from hybridlm.cli import main; main(['build-kernels'])" if torch.version.cuda is None else
+             "from hybridlm.ops.cuda import KERNEL_DIR; print('CUDA sources:', KERNEL_DIR)")  # no minute-long build
+    run = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(installed)})
+    found = f"CUDA sources: {installed / 'hybridlm' / '_kernels' / 'selective_scan'}"
+    assert found in run.stdout, run.stdout + run.stderr
+    if torch.version.cuda is None:
+        assert run.returncode == 2 and "this torch build has no CUDA" in run.stderr, run.stderr
+
+
+def test_kernels_is_not_an_importable_package():
+    """transformers probes for a package named ``kernels``: the folder must not pass for it from the repo root."""
+    import importlib.metadata
+
+    assert not (ROOT / "kernels" / "__init__.py").exists()
+    try:
+        importlib.metadata.version("kernels")
+        pytest.skip("the real kernels package is installed here")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    run = subprocess.run([sys.executable, "-c", "from transformers.utils import is_kernels_available as k; print(k())"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.stdout.strip() == "False", run.stdout + run.stderr

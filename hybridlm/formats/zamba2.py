@@ -3,7 +3,7 @@
 Every layer is a Mamba-2 mixer without MLP. Before the mixer of each ``"hybrid"`` layer, one of
 ``num_mem_blocks`` shared attention + MLP blocks (used in turn) reads the hidden state concatenated with the
 token embeddings; the layer's own ``linear`` maps its output into the mixer's input. That is hybridlm's shared
-blocks (:mod:`hybridlm.shared_blocks`): ``shared_block_layers`` are the hybrid layers, each application owns its
+blocks (:mod:`hybridlm.mixers.shared_blocks`): ``shared_block_layers`` are the hybrid layers, each application owns its
 ``linear`` (``out_proj``) and its LoRA adapters (MLP gate/up always, q/k/v with ``use_shared_attention_adapter``).
 The attention is ``2 * hidden`` wide, with a softmax scale of ``(head_dim / 2) ** -0.5`` and RoPE only with
 ``use_mem_rope``; Mamba-2's dt is clamped from below at ``time_step_min``.

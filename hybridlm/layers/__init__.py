@@ -1,0 +1,2 @@
+"""Building blocks beside the mixers: norms, rotary embeddings (with RoPE scaling), MLP / MoE and the short causal
+conv. Import the modules directly (``hybridlm.layers.norms``, ...); this tier imports only :mod:`hybridlm.ops`."""

@@ -1,4 +1,5 @@
-"""Sequence mixers behind one contract (see :mod:`hybridlm.mixers.base`), registered by name."""
+"""Sequence mixers behind one contract (see :mod:`hybridlm.mixers.base`), registered by name, and Zamba2's shared
+blocks built from them. May import the ops, the layers and the cache's state types; nothing else of hybridlm."""
 
 from hybridlm.mixers import (  # noqa: F401  (each registers itself)
     attention,

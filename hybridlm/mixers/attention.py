@@ -7,7 +7,7 @@ from torch import nn
 
 from hybridlm import ops
 from hybridlm.cache import KVLayout, KVState, KVView
-from hybridlm.kv.layouts import RingKV
+from hybridlm.cache.kv.layouts import RingKV
 from hybridlm.layers.norms import RMSNorm
 from hybridlm.layers.rotary import RotaryEmbedding, scaling_problem
 from hybridlm.mixers.base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
@@ -81,7 +81,7 @@ class Attention(Mixer):
 
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> KVLayout:
         """Preallocates ``max_length`` slots when given; a sliding window writes into a ring of ``window``
-        slots instead (a cache policy may swap in another layout: :mod:`hybridlm.kv`)."""
+        slots instead (a cache policy may swap in another layout: :mod:`hybridlm.cache.kv`)."""
         if self.window is not None:
             return RingKV.empty(batch_size, self.num_kv_heads, self.head_dim, window=self.window, device=device,
                                 dtype=dtype)

@@ -7,7 +7,7 @@ all heads (the decoupled rotary part: RoPE turns only it, and only with ``mla_ro
 Queries: ``q_proj(x)``, or ``q_b_proj(RMSNorm(q_a_proj(x)))`` with ``mla_q_lora_rank``; each ``[q_nope |
 q_rot]``. Softmax scale ``(nope + rope_dim) ** -0.5`` unless ``attention_scale`` says otherwise.
 
-The state is a :class:`~hybridlm.kv.latent.LatentKV`: ``[c | rotated k_rot]`` per token, ``kv_lora_rank +
+The state is a :class:`~hybridlm.cache.kv.latent.LatentKV`: ``[c | rotated k_rot]`` per token, ``kv_lora_rank +
 rope_dim`` elements. Attention runs in one of two equal forms (same numbers up to round-off):
 
 - expanded: ``kv_b_proj`` turns every held latent into per-head keys and values, then plain attention —
@@ -28,7 +28,7 @@ from torch import nn
 
 from hybridlm import ops
 from hybridlm.cache import KVView
-from hybridlm.kv.latent import LatentKV
+from hybridlm.cache.kv.latent import LatentKV
 from hybridlm.layers.norms import RMSNorm
 from hybridlm.layers.rotary import RotaryEmbedding
 from hybridlm.mixers.base import Mixer, invalid_config, register

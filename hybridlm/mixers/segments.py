@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridlm import rollback
+from hybridlm.cache import rollback
 
 
 @dataclass(frozen=True, eq=False)

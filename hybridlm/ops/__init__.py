@@ -3,6 +3,8 @@
 The names exported here are what the mixers call. Each runs the backend chosen for the device of its first tensor
 (see :mod:`.backends`): the reference on CPU tensors, the fastest available kernel on CUDA tensors, or what
 ``HYBRIDLM_BACKEND`` / :func:`use_backend` force.
+
+The bottom tier: imports nothing of hybridlm outside ``ops``.
 """
 
 from hybridlm.ops.backend_report import report

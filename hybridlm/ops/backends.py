@@ -37,6 +37,7 @@ import torch
 from hybridlm.ops.attention import attention_ref
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
+from hybridlm.ops.declined import Declined
 from hybridlm.ops.delta_rule import gated_delta_rule_ref, gated_delta_rule_step_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
 from hybridlm.ops.mamba3 import mamba3_scan_ref, mamba3_step_ref
@@ -87,12 +88,6 @@ REFERENCES: dict[str, Callable] = {
 
 class BackendUnavailable(RuntimeError):
     """A forced backend cannot run an op here: not installed, no CUDA, no kernel for the op, a declined call..."""
-
-
-class Declined(Exception):
-    """Raised by a backend, before returning anything, for a call it cannot serve exactly (an adapter's library
-    cannot, a dtype or state size our kernel does not take, a Triton kernel that fails to compile for this GPU):
-    the default plan runs the next backend, a forced backend raises :class:`BackendUnavailable`."""
 
 
 # ---- availability ---------------------------------------------------------------------------------------------
@@ -366,7 +361,7 @@ class Dispatcher:
     def __call__(self, *args, **kwargs):
         first = args[0] if args else kwargs[self._first]
         # torch.compile cannot read a ContextVar: compiled code runs HYBRIDLM_BACKEND's choice (and
-        # hybridlm.decode.DecodeStep refuses to run compiled inside a use_backend block)
+        # hybridlm.decoding.decode_step.DecodeStep refuses to run compiled inside a use_backend block)
         selection = (None if torch.compiler.is_compiling() else _override.get()) or _environment or _from_environment()
         key = (self.op, first.device.type)
         plan = selection.plans.get(key) or selection.plan(*key)

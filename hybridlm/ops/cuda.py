@@ -1,5 +1,6 @@
-"""Our CUDA C++ selective scan (``hybridlm/ops/cuda_src/selective_scan``), with the signature of
-``selective_scan_ref``. The sources ship inside the package (package data), so a wheel install can build it.
+"""Our CUDA C++ selective scan (``kernels/selective_scan`` at the top of the repository), with the signature of
+``selective_scan_ref``. The sources ship inside the package as ``hybridlm/_kernels`` (package data mapped from
+``kernels/`` by ``setup.py``), so a wheel install can build it; see :func:`kernel_sources`.
 
 The extension is compiled on first use on a CUDA machine by ``torch.utils.cpp_extension.load`` (about a minute;
 the result is cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) and registers the
@@ -20,9 +21,19 @@ from time import perf_counter
 
 import torch
 
-from hybridlm.ops.backends import Declined
+from hybridlm.ops.declined import Declined
 
-KERNEL_DIR = Path(__file__).resolve().parent / "cuda_src" / "selective_scan"
+
+def kernel_sources() -> Path:
+    """The folder of the CUDA sources: ``hybridlm/_kernels`` of an installed wheel, else (a source checkout, an
+    editable install) the repository's ``kernels/`` beside the package."""
+    spec = importlib.util.find_spec("hybridlm._kernels")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parents[2] / "kernels"
+
+
+KERNEL_DIR = kernel_sources() / "selective_scan"
 SOURCES = ("binding.cpp", "selective_scan_fwd.cu", "selective_scan_bwd.cu")
 LIBRARY = "hybridlm_selective_scan"
 MIN_CAPABILITY = (8, 0)

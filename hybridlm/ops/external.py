@@ -1,7 +1,7 @@
 """Adapters from mamba-ssm, causal-conv1d, flash-attn and flash-linear-attention to our references' signatures.
 
 Each loader imports its library (only when the backend is first used) and returns a function with the reference's
-signature and results. An adapter raises :class:`~hybridlm.ops.backends.Declined`, before doing any work, for a
+signature and results. An adapter raises :class:`~hybridlm.ops.declined.Declined`, before doing any work, for a
 call its library cannot serve exactly, saying why; the default selection then tries the next backend, and a
 forced selection reports the reason.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridlm.ops.backends import Declined
+from hybridlm.ops.declined import Declined
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
 _SCAN_TYPES = (torch.float32, *_HALF_TYPES)

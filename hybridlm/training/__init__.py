@@ -1,6 +1,7 @@
 """Training beside the model, not inside it: corpora, tokenizers, packing, the loop, checkpoints and metrics.
 
 The model code knows nothing of this package; recipes in ``recipes/`` and ``hybridlm train`` are thin fronts.
+May import everything below the command line (decoding, the model, formats, config, mixers, cache, layers, ops).
 Names are imported on first use (``hybridlm train --help`` does not import torch).
 """
 

@@ -4,7 +4,7 @@
     python -m hybridlm.training.distill_measure recall --teacher DIR --student OUT [--lengths 1024 2048]
 
 ``decode``: ms per decoded token with a cache already holding each context, teacher and student interleaved step
-by step in one process (:func:`hybridlm.bench.compare_stacks`: the cache is filled with random keys, values and
+by step in one process (:func:`hybridlm.decoding.bench.compare_stacks`: the cache is filled with random keys, values and
 states, which costs what a prefill's would at decode time without paying for the prefill), min and median, with
 each model's cache bytes. Both models may be asked for contexts beyond their ``max_position_embeddings`` (what
 RoPE was trained to): that limit is lifted for the timing, which does not depend on what the positions mean.
@@ -32,8 +32,8 @@ def decode_rows(teacher_dir: str, student_dir: str, contexts: list[int], steps: 
     """One row per model: KV bytes per token, fixed bytes and min / median ms per token at each context."""
     import torch
 
-    from hybridlm import load
-    from hybridlm.bench import compare_stacks
+    from hybridlm.decoding.bench import compare_stacks
+    from hybridlm.model import load
 
     models = {"teacher": load(teacher_dir, dtype=torch.float32).eval(),
               "student": load(student_dir, dtype=torch.float32).eval()}
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def recall_report(args) -> dict:
     import torch
 
-    from hybridlm import load
+    from hybridlm.model import load
     from hybridlm.training.distill import teacher_tokenizer
 
     if args.threads is not None:

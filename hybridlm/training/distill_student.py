@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridlm.training.distill import INITS, NEW_MIXERS  # declared beside the command-line options (no torch there)
+from hybridlm.training.distill_options import INITS, NEW_MIXERS
 
 #: The bias of a neutral gate: ``silu(GATE_BIAS) = 1``.
 GATE_BIAS = 1.2784645

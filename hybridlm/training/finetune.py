@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hybridlm.cli_common import add_options, option
+from hybridlm.options import add_options, option
 from hybridlm.training.config import PRECISIONS, TrainConfig
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -286,6 +286,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from hybridlm.cli_common import run_reporting_bad_input
+    from hybridlm.options import run_reporting_bad_input
 
     run_reporting_bad_input("python -m hybridlm.training.finetune", main)

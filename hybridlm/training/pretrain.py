@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hybridlm.cli_common import add_options, option
+from hybridlm.options import add_options, option
 from hybridlm.training.config import LAYOUTS, PRECISIONS, TrainConfig
 
 _DEFAULTS = TrainConfig()
@@ -106,7 +106,7 @@ def build_model(spec: str, vocab_size: int, seed: int):
 
     path = Path(spec)
     if path.is_dir():
-        from hybridlm import load
+        from hybridlm.model import load
 
         model = load(path, dtype=torch.float32)
         if model.config.vocab_size < vocab_size:
@@ -241,7 +241,7 @@ def run(args) -> dict:
 
 def sample(model, tokenizer, prompt: str, max_new_tokens: int = 64) -> str:
     """Greedy continuation of ``prompt`` (a quick look at what the model learned)."""
-    from hybridlm.generation import IncrementalDecoder
+    from hybridlm.decoding.incremental import IncrementalDecoder
 
     model.eval()
     ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -255,6 +255,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    from hybridlm.cli_common import run_reporting_bad_input
+    from hybridlm.options import run_reporting_bad_input
 
     run_reporting_bad_input("python -m hybridlm.training.pretrain", main)

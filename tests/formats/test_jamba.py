@@ -25,7 +25,7 @@ VOCAB = 256
 
 def tiny_jamba_config(**overrides) -> transformers.JambaConfig:
     """5 layers: attention at 1 and 4 (GQA, no RoPE), top-2 MoE over 4 experts at odd layers. (Also used by
-    tests/test_cli.py, tests/model/test_moe_loss.py and tests/training/test_finetune.py.)"""
+    tests/cli/test_cli.py, tests/model/test_moe_loss.py and tests/training/test_finetune.py.)"""
     settings = dict(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
         num_key_value_heads=2, attn_layer_period=3, attn_layer_offset=1, expert_layer_period=2,

@@ -41,8 +41,8 @@ def test_memory_report_and_info_count_the_latent_per_token():
     import torch
 
     import hybridlm
-    from hybridlm.bench import cache_bytes
-    from hybridlm.kv.memory import memory_rows, read_any_config
+    from hybridlm.decoding.bench import cache_bytes
+    from hybridlm.model.memory import memory_rows, read_any_config
 
     config = read_any_config(tiny_kimi_linear().config.to_dict())
     (row,) = memory_rows(config, [1000])

@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import hybridlm
+import hybridlm.model.loading
 from hybridlm import HybridForCausalLM
 
 from ..helpers import random_ids, tiny_model
@@ -87,7 +88,7 @@ def test_load_and_from_pretrained_do_not_call_each_other(own, foreign, monkeypat
         patch.setattr(HybridForCausalLM, "from_pretrained", forbidden)
         for directory, _ in (own, foreign):
             hybridlm.load(directory)
-    monkeypatch.setattr(hybridlm.formats, "load", forbidden)
+    monkeypatch.setattr(hybridlm.model.loading, "load", forbidden)
     monkeypatch.setattr(hybridlm, "load", forbidden)
     for directory, _ in (own, foreign):
         HybridForCausalLM.from_pretrained(directory)

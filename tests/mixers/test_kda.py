@@ -76,8 +76,8 @@ def test_value_heads_must_equal_key_heads():
 
 def test_a_kda_cache_crops_to_any_token_of_a_block():
     """Rollback (speculative decoding): the per-token states KDA keeps make a crop exact."""
+    from tests.cache.test_rollback import check_rollback
     from tests.helpers import random_ids, tiny_model
-    from tests.test_rollback import check_rollback
 
     model = tiny_model(1, layer_pattern="KA", **SIZES)
     check_rollback(model, random_ids(2, 5, seed=1), random_ids(2, 4, seed=2), random_ids(2, 2, seed=3))

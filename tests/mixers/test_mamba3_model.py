@@ -6,13 +6,13 @@ import pytest
 import torch
 
 from hybridlm import PrefixCache
-from hybridlm.generation import IncrementalDecoder
-from hybridlm.kv.memory import memory_rows
+from hybridlm.decoding.incremental import IncrementalDecoder
+from hybridlm.model.memory import memory_rows
+from tests.cache.test_rollback import check_rollback
+from tests.decoding.test_prefix_cache import BLOCK, assert_same_fields, prefill_counts, prompt, state_fields
 from tests.helpers import assert_close_rel, random_ids, tiny_config, tiny_model
 from tests.mixers.test_mixers import expected_nbytes
 from tests.model.test_packing import assert_same_gradients, gradients, packed_batch, per_document_gradients
-from tests.test_prefix_cache import BLOCK, assert_same_fields, prefill_counts, prompt, state_fields
-from tests.test_rollback import check_rollback
 
 STACKS = {"siso": dict(layer_pattern="RARR"),
           "mimo": dict(layer_pattern="RARR", mamba3_mimo=True, mamba3_mimo_rank=2, mamba3_outproj_norm=True)}

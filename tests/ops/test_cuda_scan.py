@@ -1,4 +1,4 @@
-"""Our CUDA selective scan (ops/cuda_src through hybridlm.ops.cuda) against the reference, forward and backward.
+"""Our CUDA selective scan (kernels/ through hybridlm.ops.cuda) against the reference, forward and backward.
 
 Two targets run the same kernel source through the same binding and autograd wrapper:
 
@@ -24,7 +24,7 @@ from tests.helpers import assert_close_rel
 
 from .cuda_build import EMULATED_LIBRARY, build_emulated_library, cuda_include, host_compiler
 
-CHUNK = 1024  # kChunk in hybridlm/ops/cuda_src/selective_scan/selective_scan.h
+CHUNK = 1024  # kChunk in kernels/selective_scan/selective_scan.h
 
 
 @pytest.fixture(scope="module", params=["emulated", "cuda"])

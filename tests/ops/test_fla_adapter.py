@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridlm.ops import backends, external
-from hybridlm.ops.backends import Declined
+from hybridlm.ops.declined import Declined
 from hybridlm.ops.delta_rule import gated_delta_rule_ref
 from tests.helpers import assert_close_rel
 from tests.ops.test_delta_rule import random_inputs

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridlm.ops import external
-from hybridlm.ops.backends import Declined
+from hybridlm.ops.declined import Declined
 from hybridlm.ops.mamba3 import Mamba3Carry, mamba3_scan_ref, mamba3_step_ref
 from tests.ops.test_mamba3 import make_inputs
 

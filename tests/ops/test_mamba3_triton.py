@@ -76,7 +76,7 @@ def test_the_fused_step_is_the_reference_step(mimo, pairs, norm):
 
 
 def test_the_step_declines_what_one_program_cannot_hold():
-    from hybridlm.ops.backends import Declined
+    from hybridlm.ops.declined import Declined
 
     inp, state = device_inputs(1, 1, 1, 1, 1, 256, 128, 0.5, False, seed=5)
     one = {key: (value[:, 0] if key in TIMED else value) for key, value in inp.items()}

@@ -13,7 +13,7 @@ import triton.language as tl
 from triton import knobs
 from triton.errors import TritonError
 
-from hybridlm.ops.backends import Declined
+from hybridlm.ops.declined import Declined
 from hybridlm.ops.packing import token_sequences
 
 # Kernels are decorated when this package is imported; TRITON_INTERPRET decides then whether they run in
@@ -64,7 +64,7 @@ def check_device(op: str, *tensors: torch.Tensor | None) -> None:
 
 class KernelFailed(Declined):
     """A Triton kernel that does not compile (or does not fit: registers, shared memory) for this GPU with this
-    configuration. A :class:`~hybridlm.ops.backends.Declined`: the default backend choice runs the next backend,
+    configuration. A :class:`~hybridlm.ops.declined.Declined`: the default backend choice runs the next backend,
     a forced ``triton`` raises ``BackendUnavailable`` with this message."""
 
 

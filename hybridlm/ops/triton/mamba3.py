@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hybridlm.ops.backends import Declined
+from hybridlm.ops.declined import Declined
 from hybridlm.ops.mamba3 import _check, mamba3_through
 from hybridlm.ops.triton._common import block, check_device, launch, new_buffer, program_id64, sigmoid, silu, total
 from hybridlm.ops.triton.chunked_scan import chunked_decay_scan

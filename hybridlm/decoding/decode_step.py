@@ -1,0 +1,147 @@
+"""One decode step that reads nothing back to the host, run eagerly or compiled.
+
+:func:`decode_logits` is what ``forward`` does for one token, minus everything that needs a tensor value in
+Python: the ids are the model's own choices (checked at prefill: the prompt; the vocabulary bounds the rest), so
+they are not range-checked; there is no padding mask (padding only precedes a row's first token, all seen at
+prefill); positions come from the cache as a tensor; the position limit was checked for the whole generation
+before prefill. The cache's Python counters advance outside the step (:meth:`DecodeStep.__call__`), so the step
+itself is a pure tensor program: with a static cache (:mod:`hybridlm.cache.kv.static`) its shapes never change and
+``torch.compile(fullgraph=True)`` captures it whole (on CUDA as a CUDA graph with ``mode="reduce-overhead"``).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+
+import torch
+import torch.nn.modules.module as module_hooks
+from torch._dynamo.utils import counters
+
+from hybridlm.cache import HybridCache
+from hybridlm.cache.states import layout_of
+from hybridlm.ops.backends import in_use_backend_block
+
+
+def decode_logits(model, ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+    """``logits [batch, vocab]`` of token ids ``[batch, 1]`` continuing ``cache`` (a HybridForCausalLM's);
+    updates the states in place but not the cache's counters (``cache.advance(None, 1)`` does)."""
+    inner = model.model
+    hidden, _ = inner.run_blocks(inner.embed_ids(ids), cache, None, cache.positions[:, None], None)
+    return model.logits_of(inner.norm(hidden[:, -1]))  # [batch, vocab]
+
+
+class DecodeStep:
+    """``step(tokens [batch], cache) -> logits [batch, vocab]``, advancing the cache by one slot.
+
+    ``compile=True`` runs :func:`decode_logits` through ``torch.compile`` (``fullgraph=True``: a graph break is
+    an error, not a silent slowdown) with ``mode`` (default: ``"reduce-overhead"``, i.e. CUDA graphs, on CUDA;
+    inductor's default on CPU) and ``backend`` (``torch.compile``'s). A compiled step needs a static cache:
+    with a growing one every step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels
+    (compiled code cannot read a ``use_backend`` block, so it refuses to run inside one).
+
+    The compiled step is specialised to the model's weights and to each cache layout it meets, which is what
+    makes a small model's step cheap (about 15% of a batch-1 step on CPU, ``benchmarks/decode_speed.py``):
+
+    * the weights are constants of the compiled code (inductor's ``freezing``: folded, prepacked for the CPU's
+      matmuls; on CPU the graph's wrapper is C++, ``cpp_wrapper``). Before each step it reads every weight's
+      version counter and storage (~30 us) and recompiles when one changed (an in-place update, a reload,
+      ``model.to(dtype)``) or when a submodule, parameter or buffer was assigned anew (:class:`StructureWatch`);
+    * once a step of a layout (token batch, cache signature, capacity and policy, state kinds, grad mode) has run
+      through dynamo's guards without compiling, the layout's later steps skip them
+      (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): the guards held for a step like them, and
+      what they check is what the layout names. Not noticed: a change to a plain attribute the model's forward
+      reads (``module.some_flag = ...``): build a new step.
+    """
+
+    def __init__(self, model, compile: bool = False, mode: str | None = None, backend: str = "inductor"):
+        self.model, self.compiled = model, compile
+        self._logits = decode_logits
+        if compile:
+            device = model.lm_head.weight.device
+            self._backend = backend
+            self._mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
+            self._cpp_wrapper = device.type == "cpu"
+            self._recompile()
+
+    def _recompile(self) -> None:
+        """A fresh compiled step: its own copy of :func:`decode_logits`' code object, so dynamo's cache (kept per
+        code object) holds only this step's graphs, never another model's or older weights'."""
+        weights = [*self.model.parameters(), *self.model.buffers()]
+        # inference tensors (a model made under torch.inference_mode) keep no version counter, so changes to them
+        # could not be seen: they stay inputs of the graph, read at every step, and nothing is watched
+        freeze = not any(weight.is_inference() for weight in weights)
+        self._weights = weights if freeze else []
+        self._inductor_settings = {"freezing": freeze, "cpp_wrapper": self._cpp_wrapper}
+        private = types.FunctionType(decode_logits.__code__.replace(), decode_logits.__globals__, "decode_logits")
+        self._logits = torch.compile(private, fullgraph=True, dynamic=False, backend=self._backend,
+                                     mode=self._mode if self._backend == "inductor" else None)
+        self._compiled_weights = self._weights_state()
+        self._structure = StructureWatch(self.model)
+        self._trusted: set[tuple] = set()  # layouts whose guards held on a step that compiled nothing
+
+    def _weights_state(self) -> list[tuple[int, int]]:
+        return [(weight._version, weight.data_ptr()) for weight in self._weights]
+
+    def _layout(self, tokens: torch.Tensor, cache: HybridCache) -> tuple:
+        """What the compiled graph is specialised on, besides the weights and the model's structure."""
+        return (layout_of(tokens), layout_of(cache.positions), cache.signature, cache.capacity, repr(cache.policy),
+                tuple(state.compile_layout() for state in cache.states), torch.is_grad_enabled(),
+                torch.is_inference_mode_enabled(), torch.is_autocast_enabled(tokens.device.type),
+                torch.get_autocast_dtype(tokens.device.type), self.model.training)
+
+    def __call__(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        if self.compiled:
+            if cache.capacity is None:
+                raise ValueError("a compiled decode step needs a static cache: model.new_cache(batch, "
+                                 "max_length=..., static=True)")
+            if in_use_backend_block():
+                raise ValueError("a compiled decode step runs HYBRIDLM_BACKEND's kernels and cannot see a "
+                                 "use_backend block: set HYBRIDLM_BACKEND, or decode eagerly")
+        cache.check_room(1)
+        logits = self._compiled_step(tokens, cache) if self.compiled else self._logits(self.model, tokens[:, None],
+                                                                                         cache)
+        cache.advance(None, 1)
+        return logits
+
+    def _compiled_step(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        if self._structure.changes or self._weights_state() != self._compiled_weights:
+            self._recompile()
+        layout = self._layout(tokens, cache)
+        if layout in self._trusted:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._logits(self.model, tokens[:, None], cache)
+        graphs = counters["stats"]["unique_graphs"]
+        # inductor reads these where torch.compile's ``options`` do not reach (its freezing pass); the patch does
+        with torch._inductor.config.patch(self._inductor_settings):
+            logits = self._logits(self.model, tokens[:, None], cache)
+        if counters["stats"]["unique_graphs"] == graphs:  # guarded, and no new graph: an earlier step's held
+            self._trusted.add(layout)
+        return logits
+
+
+class StructureWatch:
+    """Counts submodules, parameters and buffers assigned to ``model``'s modules after it was made (``model.head =
+    ...``, ``layer.weight = nn.Parameter(...)``), through torch's global registration hooks: a step compiled
+    before such a change is stale, and neither guards (skipped) nor weight versions (a new tensor) would say so.
+    The hooks go when the watch does."""
+
+    def __init__(self, model):
+        self.modules = {id(module) for module in model.modules()}
+        self.changes = 0
+        watch = weakref.ref(self)
+
+        def count(module, name, value):
+            alive = watch()
+            if alive is not None and id(module) in alive.modules:
+                alive.changes += 1
+
+        handles = [register(count) for register in (module_hooks.register_module_module_registration_hook,
+                                                    module_hooks.register_module_parameter_registration_hook,
+                                                    module_hooks.register_module_buffer_registration_hook)]
+        weakref.finalize(self, _remove_all, handles)
+
+
+def _remove_all(handles) -> None:
+    for handle in handles:
+        handle.remove()
