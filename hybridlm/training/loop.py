@@ -40,13 +40,16 @@ def token_losses(model, batch: dict[str, torch.Tensor], precision: str = "fp32")
 
 @torch.no_grad()
 def evaluate(model, rows: PackedRows, layout: str, limit: int | None = None, batch_size: int = 8,
-             precision: str = "fp32") -> float:
-    """Mean cross-entropy (nats per target token) over the first ``limit`` rows (all without a limit)."""
+             precision: str = "fp32", progress: bool = False) -> float:
+    """Mean cross-entropy (nats per target token) over the first ``limit`` rows (all without a limit);
+    ``progress``: a progress bar of the batches, removed when done (a final evaluation can take a minute)."""
     was_training = model.training
     model.eval()
     count = len(rows) if limit is None else min(limit, len(rows))
     total, targets = 0.0, 0
-    for start in range(0, count, batch_size):
+    starts = range(0, count, batch_size)
+    for start in tqdm(starts, desc=f"evaluating {count} held-out rows", leave=False, disable=not progress,
+                      dynamic_ncols=True):
         batch = rows.batch(torch.arange(start, min(start + batch_size, count)), layout)
         loss_sum, n, _ = token_losses(model, batch, precision)
         total, targets = total + float(loss_sum), targets + n
@@ -133,7 +136,8 @@ def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval
         final = step + 1 == config.steps
         if eval_rows is not None and ((step + 1) % config.eval_every == 0 or final):
             used = len(eval_rows) if final else min(config.eval_rows, len(eval_rows))
-            eval_loss = evaluate(model, eval_rows, config.layout, used, precision=config.precision)
+            eval_loss = evaluate(model, eval_rows, config.layout, used, precision=config.precision,
+                                 progress=parallel.is_main)
             row = {"step": step + 1, "tokens": state["tokens"], "eval_loss": eval_loss,
                    "eval_tokens": used * eval_rows.ids.shape[1]}
             if tokens_per_byte is not None:
@@ -141,6 +145,8 @@ def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval
             if eval_fields is not None:
                 row.update(eval_fields(used))
             last.update(row)
+            if parallel.is_main:
+                progress.write(evaluation_line(row))
             if log:
                 log.write(row)
                 plot_loss(log.rows(), out / "loss.png")
@@ -151,6 +157,14 @@ def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval
     if log:
         plot_loss(log.rows(), out / "loss.png")
     return last
+
+
+def evaluation_line(row: dict) -> str:
+    """One console line per evaluation (the metrics row holds the same numbers)."""
+    line = f"step {row['step']}: held-out loss {row['eval_loss']:.4f} over {row['eval_tokens']:,} tokens"
+    if "bits_per_byte" in row:
+        line += f", {row['bits_per_byte']:.4f} bits per byte"
+    return line
 
 
 def _param_groups(model, weight_decay: float) -> list[dict]:

@@ -143,3 +143,27 @@ def test_tokens_per_second_and_elapsed_time_count_training_steps_only(monkeypatc
     assert [row["step"] for row in logged] == [4, 8, 10]
     assert [row["elapsed_s"] for row in logged] == [4.0, 8.0, 10.0]
     assert all(row["tokens_per_s"] == 2 * rows.ids.shape[1] for row in logged)
+
+
+def test_each_evaluation_is_shown_on_the_console_as_it_is_logged(tmp_path, capsys):
+    rows, held_out = tiny_rows(8), tiny_rows(6)
+    config = TrainConfig(steps=4, batch_size=2, eval_every=2, eval_rows=3, save_every=100, log_every=1)
+    train(tiny_model(), rows, config, tmp_path, eval_rows=held_out, tokens_per_byte=0.5)
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [row for row in logged if "eval_loss" in row]
+    assert [row["step"] for row in evaluations] == [2, 4]  # every 2 steps, and the final one over all rows
+    printed = [line for line in capsys.readouterr().out.splitlines() if "held-out loss" in line]
+    assert printed == [f"step {row['step']}: held-out loss {row['eval_loss']:.4f} over {row['eval_tokens']:,} "
+                       f"tokens, {row['bits_per_byte']:.4f} bits per byte" for row in evaluations]
+    assert evaluations[0]["eval_tokens"] == 3 * 12 and evaluations[1]["eval_tokens"] == len(held_out) * 12
+
+
+def test_evaluation_shows_a_progress_bar_only_when_asked(capsys):
+    from hybridlm.training.loop import evaluate
+
+    model, held_out = tiny_model(), tiny_rows(6)
+    quiet = evaluate(model, held_out, "documents", batch_size=2)
+    assert "evaluating" not in capsys.readouterr().err
+    shown = evaluate(model, held_out, "documents", batch_size=2, progress=True)
+    assert "evaluating 6 held-out rows" in capsys.readouterr().err
+    assert shown == quiet and shown > 0
