@@ -67,7 +67,8 @@ def train(model, rows: PackedRows, config: TrainConfig, out: str | Path, *, eval
     teacher). ``eval_fields(rows) -> dict``, when given, adds fields to each evaluation's metrics row, called
     (on every rank) with the number of held-out rows just evaluated (distillation: the teacher's loss on them).
 
-    ``parallel`` (a :class:`hybridlm.training.distributed.Parallel`; single-process when None) wraps the model,
+    ``parallel`` (a strategy of :mod:`hybridlm.training.distributed`: ``SingleProcess`` when None, ``DataParallel``,
+    ``FullyShardedParallel``) wraps the model,
     shards each global batch by rank and reduces the logged numbers."""
     from hybridlm.training.distributed import SingleProcess
 
