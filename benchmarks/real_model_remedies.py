@@ -1,9 +1,9 @@
 """The seed's remedies measured on a real pretrained model: SmolLM2-135M-Instruct (30 attention layers, 9 query and
 3 KV heads of 64, a context of 8,192 tokens), fetched by ``python benchmarks/real_model.py fetch``.
 
-    python benchmarks/real_model_remedies.py --out docs/real_model --threads 2            # the full run
-    python benchmarks/real_model_remedies.py --out docs/real_model --threads 2 --quick    # shorter stream/passkey
-    python benchmarks/real_model_remedies.py --only kivi stream --out /tmp/r              # some items only
+    python benchmarks/real_model_remedies.py --out docs/real_model            # the full run
+    python benchmarks/real_model_remedies.py --out docs/real_model --quick    # shorter stream/passkey; ~38 min idle
+    python benchmarks/real_model_remedies.py --only kivi stream --out /tmp/r  # some items only
 
 ``--out DIR`` gets ``results.json`` (every number below, the settings, each item's wall time and the load average
 around it; rewritten crash-safely after every item, and an ``--only`` run keeps the other items already there) and
@@ -881,7 +881,8 @@ def parse(argv: list[str] | None):
     parser.add_argument("--report", action="store_true", help="print Markdown tables of OUT/results.json, run nothing")
     parser.add_argument("--only", nargs="+", choices=ITEMS, help="run these items only (others kept in the JSON)")
     parser.add_argument("--quick", action="store_true", help="shorter stream and passkey, one edit function")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: on a shared 2-core machine 2 threads wait on each other)")
     parser.add_argument("--kivi-rows", type=int, default=4)
     parser.add_argument("--kivi-prefill", type=int, default=2048)
     parser.add_argument("--kivi-decode", type=int, default=1024, help="decoded tokens per row (rows x this >= 4K)")
