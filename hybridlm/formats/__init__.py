@@ -46,7 +46,8 @@ from hybridlm.formats.base import (
     supported,
     undeclared_options,
 )
-from hybridlm.formats.mapping import check_expressible
+from hybridlm.formats.mapping import check_expressible, public_fields
 
-__all__ = ["FORMATS", "CheckpointFormat", "check_expressible", "check_state", "detect", "is_own", "read_config",
-           "read_weights", "register", "resolve_directory", "safetensors_files", "supported", "undeclared_options"]
+__all__ = ["FORMATS", "CheckpointFormat", "check_expressible", "check_state", "detect", "is_own", "public_fields",
+           "read_config", "read_weights", "register", "resolve_directory", "safetensors_files", "supported",
+           "undeclared_options"]

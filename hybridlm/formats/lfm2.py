@@ -122,6 +122,21 @@ def from_config(config: HybridConfig) -> dict:
         "intermediate_size": config.intermediate_size,
         "block_auto_adjust_ff_dim": False,
         "rope_parameters": rope_parameters(config, partial=False),
+        **public_aliases(config),
+    }
+
+
+def public_aliases(config: HybridConfig) -> dict:
+    """The fields LiquidAI's public LFM2 configs carry that transformers folds away or never reads (it builds
+    the short conv and the MLP at ``hidden_size``): vLLM's LFM2 model builds its layers from ``conv_dim``,
+    ``block_dim`` and ``block_ff_dim``. The public configs' training-time initialisation settings
+    (``block_*_init_scale``, ``*_use_xavier_init``) are not written: no reader uses them, and they would not
+    describe how this model was initialised."""
+    return {
+        "block_dim": config.hidden_size, "conv_dim": config.hidden_size, "conv_dim_out": config.hidden_size,
+        "block_ff_dim": config.intermediate_size, "block_norm_eps": config.rms_norm_eps, "block_use_swiglu": True,
+        "num_heads": config.num_attention_heads, "tie_embedding": config.tie_word_embeddings,
+        "use_pos_enc": True,
     }
 
 

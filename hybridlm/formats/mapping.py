@@ -30,6 +30,23 @@ def with_transformers_defaults(foreign_config: dict) -> dict:
         raise ValueError(f"invalid {model_type} config.json: {error}") from error
 
 
+def public_fields(foreign_config: dict) -> dict:
+    """An exported ``config.json`` with every field that transformers' ``save_pretrained`` writes for its
+    ``model_type`` (the fields public checkpoints carry), so that readers that take fields from the file without
+    transformers' defaults (vLLM, llama.cpp's converter) find them. The format's own values win; RoPE's base is
+    also written at the top level (``rope_theta``), where transformers 4.x and llama.cpp's converter read it."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = foreign_config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        return foreign_config
+    written = {**CONFIG_MAPPING[model_type].from_dict(foreign_config).to_diff_dict(), **foreign_config}
+    rope = written.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        written.setdefault("rope_theta", rope["rope_theta"])
+    return written
+
+
 def same_names(*names: str) -> dict[str, str]:
     """Field pairs for settings that transformers and HybridConfig name alike."""
     return {name: name for name in names}

@@ -23,6 +23,7 @@ from hybridlm.formats import (
     check_state,
     detect,
     is_own,
+    public_fields,
     read_config,
     read_weights,
     resolve_directory,
@@ -108,6 +109,7 @@ def export(model, directory: str | os.PathLike, model_type: str) -> None:
     check_expressible(model_type, undeclared_options(model.config, fmt))
     foreign_config = fmt.from_config(model.config)  # raises, before anything is written, if the model does not fit
     if "model_type" in foreign_config:  # a transformers config (mamba-ssm's takes no other keys than its own)
+        foreign_config = public_fields(foreign_config)
         foreign_config.setdefault("dtype", str(model.dtype).removeprefix("torch."))  # what dtype="auto" loads as
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -204,7 +204,25 @@ def check_export(ours, directory, model_type: str):
     ours.save_pretrained(directory, format=model_type)
     back = AutoModelForCausalLM.from_pretrained(directory).eval()
     check_logits(back, ours, random_ids(ours.config.vocab_size, 2, 10))
+    check_public_fields(directory, back.config)
     return back
+
+
+def check_public_fields(directory, transformers_config) -> None:
+    """The exported ``config.json`` holds every field transformers' ``save_pretrained`` writes for the config it
+    read from it (what public checkpoints carry, for readers without transformers' defaults), with the same
+    values, and RoPE's base at the top level too."""
+    written = json.loads((directory / "config.json").read_text())
+    expected = json.loads(json.dumps(transformers_config.to_diff_dict()))  # bare Infinity, as export writes it
+    missing = sorted(set(expected) - set(written) - {"transformers_version"})
+    assert not missing, f"config.json lacks {missing}"
+    for name in ("rope_parameters", "rope_theta"):
+        expected.pop(name, None)
+    differing = {name: (written[name], value) for name, value in expected.items()
+                 if name != "transformers_version" and written[name] != value}
+    assert not differing, f"config.json differs from transformers' reading (written, read): {differing}"
+    if "rope_parameters" in written:
+        assert written["rope_theta"] == written["rope_parameters"]["rope_theta"]
 
 
 def export_refusal(model, directory, model_type: str) -> str:

@@ -1,6 +1,7 @@
 """LFM2 checkpoints: gated short convolutions and attention with normed query/key heads; loaded exactly and
 exported back to a directory transformers loads as LFM2."""
 
+import json
 import re
 
 import pytest
@@ -55,6 +56,37 @@ def test_hybridlm_model_exports_to_lfm2(tmp_path):
                                    short_conv_size=4)
     ours = randomize(hybridlm.HybridForCausalLM(config).eval(), seed=3)
     assert check_export(ours, tmp_path, "lfm2").config.layer_types == ["conv", "full_attention", "conv"]
+
+
+def test_export_writes_the_public_lfm2_fields(tmp_path):
+    """vLLM's LFM2 model builds the conv and the MLP from ``conv_dim``, ``block_dim`` and ``block_ff_dim``, which
+    transformers does not keep; the export writes them (and the other aliases of LiquidAI's configs) with the
+    widths the model has, and transformers still reads it as the same model."""
+    config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, layer_pattern="CCA", intermediate_size=40,
+                                   num_attention_heads=4, num_key_value_heads=2, attention_qk_norm=True,
+                                   rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False,
+                                   max_position_embeddings=4096)
+    ours = randomize(hybridlm.HybridForCausalLM(config).eval(), seed=4)
+    check_export(ours, tmp_path, "lfm2")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert {name: written[name] for name in PUBLIC_FIELDS} == {
+        "block_dim": 32, "conv_dim": 32, "conv_dim_out": 32, "block_ff_dim": 40, "intermediate_size": 40,
+        "block_auto_adjust_ff_dim": False, "block_multiple_of": 256, "block_ffn_dim_multiplier": 1.0,
+        "block_norm_eps": 1e-6, "norm_eps": 1e-6, "block_use_swiglu": True, "num_heads": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "conv_L_cache": 3, "conv_bias": False, "full_attn_idxs": [2],
+        "layer_types": ["conv", "conv", "full_attention"], "tie_embedding": False, "tie_word_embeddings": False,
+        "use_pos_enc": True, "rope_theta": 5000.0, "max_position_embeddings": 4096,
+    }
+
+
+#: The architecture fields of LiquidAI's public LFM2 configs (LFM2-350M ... 2.6B); their initialisation settings
+#: (``block_*_init_scale``, ``*_use_xavier_init``) are left out on purpose (see ``formats/lfm2.py``).
+PUBLIC_FIELDS = [
+    "block_dim", "conv_dim", "conv_dim_out", "block_ff_dim", "intermediate_size", "block_auto_adjust_ff_dim",
+    "block_multiple_of", "block_ffn_dim_multiplier", "block_norm_eps", "norm_eps", "block_use_swiglu", "num_heads",
+    "num_attention_heads", "num_key_value_heads", "conv_L_cache", "conv_bias", "full_attn_idxs", "layer_types",
+    "tie_embedding", "tie_word_embeddings", "use_pos_enc", "rope_theta", "max_position_embeddings",
+]
 
 
 def test_export_refuses_what_lfm2_cannot_hold(tmp_path):
