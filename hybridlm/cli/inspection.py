@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from hybridlm.cli.common import KV_BITS, command, print_stream
-from hybridlm.options import non_negative_int, option, positive_int
+from hybridlm.options import non_negative_float, non_negative_int, option, positive_int
 from hybridlm.paths import existing_config
 from hybridlm.presets import PRESETS  # names and settings only: no torch
 
@@ -198,30 +198,52 @@ def _bench_context(models, args) -> None:
 
 @command(
     "memory", "Cache bytes per request and per token by layer kind, at contexts and KV bit widths, beside the "
-              "weights' bytes, for any config hybridlm reads (plain llama / mistral / mixtral / qwen2 / qwen3 too).",
+              "weights' bytes, for any config hybridlm reads (plain llama / mistral / mixtral / qwen2 / qwen3 too); "
+              "with --serve, the concurrent requests that fit on a device.",
     option("--model", metavar="CONFIG_OR_DIR", help="a config.json or a checkpoint directory; default: give --preset"),
     option("--preset", choices=list(PRESETS), metavar="NAME",
            help=f"a preset instead of --model: {', '.join(PRESETS)}; default: give --model"),
-    option("--context", type=positive_int, nargs="+", default=[4096, 32768, 131072], help="context lengths"),
+    option("--context", type=positive_int, nargs="+", default=None,
+           help="context lengths (default 4096 32768 131072); with --serve the largest context of the plan "
+                "(default: the model's maximum)"),
     option("--batch", type=positive_int, default=1, help="sequences per request"),
-    option("--kv-bits", type=int, choices=KV_BITS, nargs="+", default=[16, 8, 4],
-           help="KV bit widths (16: unquantized)"),
+    option("--kv-bits", type=int, choices=KV_BITS, nargs="+", default=None,
+           help="KV bit widths (16: unquantized; default 16 8 4, with --serve 16)"),
     option("--json", action="store_true", help="print the rows as JSON instead of a table"),
+    option("--serve", action="store_true",
+           help="plan serving: weights, bytes per request by part, the requests that fit at 1K, 2K, ... tokens"),
+    option("--device-gib", type=non_negative_float, default=80.0, help="with --serve: device memory in GiB (80)"),
+    option("--page-size", type=positive_int, default=None,
+           help="with --serve: paged KV in pages of this many tokens (counts pages rounded up and block tables)"),
+    option("--weight-bits", type=int, choices=[16, 8, 4], default=16,
+           help="with --serve: bits per weight (16; 8 or 4 for quantized weights, their scales not counted)"),
+    option("--plot", help="with --serve: write a PNG of requests against context here (needs matplotlib)"),
 )
 def run_memory(args) -> None:
     import json
 
     if (args.model is None) == (args.preset is None):
         raise ValueError("give --model CONFIG_OR_DIR or --preset NAME (one of them)")
+    if not args.serve:
+        for flag, value in [("--page-size", args.page_size), ("--plot", args.plot)]:
+            if value is not None:
+                raise ValueError(f"{flag} needs --serve")
     config_file = existing_config(args.model, "--model") if args.model else None  # before torch loads
-    from hybridlm.decoding.bench import table
     from hybridlm.formats.base import read_config
-    from hybridlm.model.memory import by_kind_text, memory_rows, read_any_config
+    from hybridlm.model.memory import read_any_config
     from hybridlm.presets import preset
 
     # read_config: a JSON object, infinities decoded
     config = read_any_config(read_config(config_file)) if config_file else preset(args.preset)
-    rows = memory_rows(config, args.context, args.batch, args.kv_bits, name=args.model or args.preset)
+    name = args.model or args.preset
+    if args.serve:
+        _serve_plan(config, name, args)
+        return
+    from hybridlm.decoding.bench import table
+    from hybridlm.model.memory import by_kind_text, memory_rows
+
+    rows = memory_rows(config, args.context or [4096, 32768, 131072], args.batch, args.kv_bits or [16, 8, 4],
+                       name=name)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
@@ -234,3 +256,55 @@ def run_memory(args) -> None:
                        ("kinds", "cache by layer kind", "")]))
     print("Counted for a bfloat16 cache (as served): 16-bit KV unquantized, each state in the dtype its mixer "
           "keeps in a bfloat16 model; `hybridlm info` counts the model's own dtype (fp32: twice the KV bytes).")
+
+
+def _serve_plan(config, name: str, args) -> None:
+    """``hybridlm memory --serve``: the plan at each KV bit width, printed (or as JSON), plotted on request."""
+    import json
+
+    from hybridlm.decoding.bench import table
+    from hybridlm.model.memory import _size
+    from hybridlm.model.serving import meta_model, plan_serving, plot_plans, serving_contexts, weight_parameters
+
+    if args.batch != 1:
+        raise ValueError("--batch: with --serve every request is one sequence; the plan counts requests")
+    if args.context is not None and len(args.context) > 1:
+        raise ValueError(f"--context: with --serve give one (the largest context of the plan), got {args.context}")
+    contexts = serving_contexts(config, args.context[0] if args.context else None)
+    parameters, model = weight_parameters(config), meta_model(config)
+    plans = [plan_serving(config, args.device_gib, contexts, kv_bits=bits, page_size=args.page_size,
+                          weight_bits=args.weight_bits, name=name, parameters=parameters, model=model)
+             for bits in args.kv_bits or [16]]
+    if args.json:
+        print(json.dumps([plan.as_dict() for plan in plans], indent=1))
+        return
+    first = plans[0]
+    print(f"{name} on {args.device_gib:g} GiB ({first.device_bytes:,} B): weights ({first.weight_bits}-bit) "
+          f"{_size(first.weight_bytes)} ({first.weight_bytes:,} B), left for requests {_size(first.free_bytes)}")
+    top = contexts[-1]
+    for plan in plans:
+        row = plan.row(top)
+        paging = f", paged KV in pages of {plan.page_size} tokens" if plan.page_size else ""
+        print(f"\none request at {top:,} tokens, {plan.kv_bits}-bit KV{paging}: {_size(row['bytes_per_request'])} "
+              f"({row['bytes_per_request']:,} B)")
+        for part, held in row["bytes_by_part"].items():
+            print(f"  {part:<24} {held:>16,} B  {_size(held):>10}")
+        if plan.page_size:
+            print(f"  of which paging overhead (last page rounded up, int32 block tables): "
+                  f"{row['paged_overhead_bytes']:,} B")
+    rows = []
+    for index, context in enumerate(contexts):
+        row = {"context": context}
+        for plan in plans:
+            found = plan.rows[index]
+            row[f"mib{plan.kv_bits}"] = found["bytes_per_request"] / 2**20
+            row[f"n{plan.kv_bits}"] = found["requests"]
+        rows.append(row)
+    columns = [("context", "context", ",d")]
+    for plan in plans:
+        columns += [(f"mib{plan.kv_bits}", f"MiB/request ({plan.kv_bits}-bit KV)", ",.1f"),
+                    (f"n{plan.kv_bits}", f"requests ({plan.kv_bits}-bit KV)", ",d")]
+    print(f"\nconcurrent requests that fit beside the weights (cache only: activations and the engine's "
+          f"workspace not counted):\n{table(rows, columns)}")
+    if args.plot:
+        print(plot_plans(plans, args.plot))

@@ -21,6 +21,10 @@ from hybridlm.cache.states import StateGroup
 from hybridlm.config import HybridConfig
 
 PLAIN_TRANSFORMERS = ("llama", "mistral", "mixtral", "qwen2", "qwen3")
+#: settings hybridlm does not implement that change no byte of the weights or the cache, read as the one it does
+#: for accounting: NoPE attention (Granite-4.0-H) holds the same keys and values as RoPE attention, and hybridlm's
+#: rotary tables are recomputed per call, not stored
+MEMORY_NEUTRAL = {"position_embedding_type": ("nope", "rope")}
 
 
 def plain_transformer_config(raw: dict) -> HybridConfig:
@@ -57,6 +61,8 @@ def read_any_config(source: str | Path | dict) -> HybridConfig:
         if not path.is_file():
             raise FileNotFoundError(f"--model: no config file at {path}")
         raw = json.loads(path.read_text())
+    raw = {key: MEMORY_NEUTRAL[key][1] if key in MEMORY_NEUTRAL and MEMORY_NEUTRAL[key][0] == value else value
+           for key, value in raw.items()}
     if raw.get("model_type") in PLAIN_TRANSFORMERS:
         return plain_transformer_config(raw)
     from hybridlm.formats.base import to_hybrid_config
