@@ -20,6 +20,7 @@ from torch._dynamo.utils import counters
 
 from hybridlm.cache import HybridCache
 from hybridlm.cache.states import layout_of
+from hybridlm.model.modeling import check_float16_range
 from hybridlm.ops.backends import in_use_backend_block
 
 
@@ -102,6 +103,8 @@ class DecodeStep:
         logits = self._compiled_step(tokens, cache) if self.compiled else self._logits(self.model, tokens[:, None],
                                                                                          cache)
         cache.advance(None, 1)
+        if logits.dtype == torch.float16:  # as forward does: an overflow is an error, not NaN tokens
+            check_float16_range(logits)
         return logits
 
     def _compiled_step(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:

@@ -356,6 +356,8 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         logits = self.logits_of(hidden)
+        if logits.dtype == torch.float16 and not torch.compiler.is_compiling():
+            check_float16_range(logits)
         loss = None
         if labels is not None:
             check_labels(labels, logits.shape)
@@ -367,6 +369,15 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
             if out.aux_loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * out.aux_loss
         return HybridCausalLMOutput(loss=loss, logits=logits, cache=out.cache, aux_loss=out.aux_loss)
+
+
+def check_float16_range(logits: torch.Tensor) -> None:
+    """float16 runs on the CPU as on a GPU, but its range ends at 65504: a model whose activations go past it
+    gives inf, then NaN. Say so, rather than return them (one check per forward, float16 only)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise FloatingPointError("the float16 model overflowed (float16 holds magnitudes up to 65504; inf or NaN "
+                                 "in the logits): load it with dtype=torch.bfloat16 (the range of float32) or "
+                                 "torch.float32")
 
 
 register_auto_classes(HybridConfig, HybridModel, HybridForCausalLM)
