@@ -145,6 +145,7 @@ class HybridConfig(PreTrainedConfig):
     mamba3_mimo: bool = False
     mamba3_mimo_rank: int = 4  # MIMO only
     mamba3_chunk_size: int = 64
+    mamba3_a_activation: str = "heavy_tail"  # A = -f(dd_A): "heavy_tail" (mamba-ssm) or "softplus" (fla's mamba3)
 
     # --- linear attention -------------------------------------------------------------------
     performer_num_features: int = 64

@@ -1,10 +1,11 @@
 """Mamba-3 (arXiv 2603.15569; mamba-ssm's ``Mamba3``): trapezoidal SSM with a data-dependent rotary state, SISO or MIMO.
 
 in_proj -> (z, x, B, C, dt, A, trap, angles) in mamba-ssm's order; dt = softplus(dt + dt_bias); A = -f(A) with
-mamba-ssm's heavy-tailed f, at most ``-mamba3_a_floor``; B and C RMS-normed (their biases and the rotation are
-applied in the op); y = Mamba-3 scan (:mod:`hybridlm.ops.mamba3`) with the D skip and the SiLU(z) gate (after a
-per-head RMSNorm with ``mamba3_outproj_norm``), per rank and summed by ``mimo_o`` for MIMO; out_proj. There is no
-causal conv: the trapezoid mixes each token's input with the previous one's, which the state carries.
+mamba-ssm's heavy-tailed f (``mamba3_a_activation="softplus"``: f = softplus, as mamba-ssm before its #962 and
+flash-linear-attention's Mamba3 layer), at most ``-mamba3_a_floor``; B and C RMS-normed (their biases and the
+rotation are applied in the op); y = Mamba-3 scan (:mod:`hybridlm.ops.mamba3`) with the D skip and the SiLU(z)
+gate (after a per-head RMSNorm with ``mamba3_outproj_norm``), per rank and summed by ``mimo_o`` for MIMO; out_proj.
+There is no causal conv: the trapezoid mixes each token's input with the previous one's, which the state carries.
 
 The state (:class:`Mamba3State`) is mamba-ssm's four ``allocate_inference_cache`` tensors.
 """
@@ -28,6 +29,8 @@ from hybridlm.ops.mamba3 import Mamba3Carry, fold_previous, mamba3_scan_states, 
 #: mamba-ssm's fixed eps of the B/C norms and of the output norm
 NORM_EPS = 1e-5
 ROPE_FRACTIONS = (0.5, 1.0)
+#: ``mamba3_a_activation``: the positive f of A = -f(dd_A)
+A_ACTIVATIONS = ("heavy_tail", "softplus")
 
 
 @dataclasses.dataclass
@@ -64,7 +67,8 @@ class Mamba3(Mixer):
     pattern_letter = "R"
     config_fields = ("mamba3_d_state", "mamba3_expand", "mamba3_head_dim", "mamba3_n_groups", "mamba3_rope_fraction",
                      "mamba3_dt_min", "mamba3_dt_max", "mamba3_dt_init_floor", "mamba3_a_floor",
-                     "mamba3_outproj_norm", "mamba3_mimo", "mamba3_mimo_rank", "mamba3_chunk_size")
+                     "mamba3_outproj_norm", "mamba3_mimo", "mamba3_mimo_rank", "mamba3_chunk_size",
+                     "mamba3_a_activation")
     state_fields = ("mamba3_mimo",)  # SISO and rank-1 MIMO states have one shape but pair the rotation differently
     causal = True
     grows_with_context = False
@@ -75,6 +79,8 @@ class Mamba3(Mixer):
         fraction, n = config.mamba3_rope_fraction, config.mamba3_d_state
         if fraction not in ROPE_FRACTIONS:
             raise invalid_config("mamba3_rope_fraction", fraction, f"must be one of {ROPE_FRACTIONS} (as mamba-ssm)")
+        if config.mamba3_a_activation not in A_ACTIVATIONS:
+            raise invalid_config("mamba3_a_activation", config.mamba3_a_activation, f"must be one of {A_ACTIVATIONS}")
         if rotary_angles(n, fraction) < 1:
             raise invalid_config("mamba3_d_state", n, f"is too small for any rotary angle at mamba3_rope_fraction="
                                  f"{fraction} (needs at least {int(2 / fraction)} state entries)")
@@ -100,6 +106,7 @@ class Mamba3(Mixer):
         self.n_angles = rotary_angles(self.d_state, config.mamba3_rope_fraction)
         self.rope_pairs = "halves" if self.mimo else "interleaved"  # mamba-ssm's MIMO kernels / its SISO layer
         self.a_floor, self.chunk_size = config.mamba3_a_floor, config.mamba3_chunk_size
+        self.a_activation = heavy_tail if config.mamba3_a_activation == "heavy_tail" else F.softplus
         bc = self.rank * self.n_groups * self.d_state
         self.split = [self.d_inner, self.d_inner, bc, bc, self.num_heads, self.num_heads, self.num_heads,
                       self.n_angles]
@@ -148,7 +155,7 @@ class Mamba3(Mixer):
         track = state is not None and state.checkpointing(time)  # keep the state after each token (rollback)
         z, xs, B, C, dd_dt, dd_a, trap, angles = self.in_proj(x).split(self.split, dim=-1)
         dt = zero_padding(F.softplus(dd_dt.float() + self.dt_bias.float()), mask)  # dt = 0: a pad changes nothing
-        log_decay = -heavy_tail(dd_a.float()).clamp_min(self.a_floor) * dt
+        log_decay = -self.a_activation(dd_a.float()).clamp_min(self.a_floor) * dt
         xs = zero_padding(xs, mask).view(batch, time, heads, dim)  # nor does it enter the next token's trapezoid
         B = self.B_norm(B.view(batch, time, self.rank, self.n_groups, self.d_state))
         C = self.C_norm(C.view(batch, time, self.rank, self.n_groups, self.d_state))

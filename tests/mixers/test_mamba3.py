@@ -15,6 +15,7 @@ from tests.ops.test_mamba3 import recurrence
 VARIANTS = {
     "siso": {},
     "siso-norm-full-rope": dict(mamba3_outproj_norm=True, mamba3_rope_fraction=1.0),
+    "siso-softplus-a": dict(mamba3_a_activation="softplus"),  # flash-linear-attention's (and older mamba-ssm's) A
     "mimo": dict(mamba3_mimo=True, mamba3_mimo_rank=2),
     "mimo-norm": dict(mamba3_mimo=True, mamba3_mimo_rank=3, mamba3_outproj_norm=True, mamba3_n_groups=1),
 }
@@ -41,7 +42,8 @@ def written_out(mixer, x):
     z, xs, B, C, dd_dt, dd_a, trap, angles = proj.split([heads * p, heads * p, r * g * n, r * g * n, heads, heads,
                                                          heads, a], -1)
     dt = F.softplus(dd_dt + m["dt_bias"])
-    A = -torch.where(dd_a >= 0, 1 + dd_a, 1 / (1 - dd_a)).clamp(min=c.mamba3_a_floor)
+    f = F.softplus(dd_a) if c.mamba3_a_activation == "softplus" else torch.where(dd_a >= 0, 1 + dd_a, 1 / (1 - dd_a))
+    A = -f.clamp(min=c.mamba3_a_floor)
 
     def rms(v, w):
         return v / torch.sqrt((v**2).mean(-1, keepdim=True) + 1e-5) * w
@@ -157,6 +159,7 @@ def test_bf16_runs_and_keeps_the_state_fp32():
     (dict(mamba3_head_dim=24), "mamba3_head_dim", "must divide"),
     (dict(mamba3_n_groups=3), "mamba3_n_groups", "must divide"),
     (dict(mamba3_dt_min=0.5), "mamba3_dt_min", "must be <="),
+    (dict(mamba3_a_activation="exp"), "mamba3_a_activation", "must be one of"),
 ])
 def test_bad_settings_name_the_field(overrides, field, message):
     with pytest.raises(ValueError, match=f"HybridConfig.{field}=.*{message}"):
