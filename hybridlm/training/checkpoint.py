@@ -90,13 +90,18 @@ def existing_checkpoint(out: Path) -> Path:
     return path
 
 
+#: Config fields that say where a model came from or how it is stored, not what it is: a run moved to another
+#: folder (its student loaded from ``OUT/transfer`` there) resumes.
+NOT_THE_MODEL = ("transformers_version", "dtype", "_name_or_path")
+
+
 def check_resumable(out: Path, model) -> Path:
     """The checkpoint directory, after checking it exists and was written for this model's configuration."""
     path = existing_checkpoint(out)
     saved = parse_json(read_checked(path, CONFIG, read_manifest(path)), path / CONFIG)
     current = _config_dict(model)
     differing = sorted(k for k in set(saved) | set(current)
-                       if saved.get(k) != current.get(k) and k not in ("transformers_version", "dtype"))
+                       if saved.get(k) != current.get(k) and k not in NOT_THE_MODEL)
     if differing:
         raise ValueError(f"--resume: the checkpoint in {path} is of another model (config fields differ: "
                          f"{', '.join(differing)})")

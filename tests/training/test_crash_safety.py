@@ -235,3 +235,18 @@ def test_other_damage_to_metrics_is_an_error_naming_file_and_line(runs, tmp_path
     (out / "metrics.jsonl").write_bytes(damage if isinstance(damage, bytes) else damage.encode())
     with pytest.raises(DamagedFileError, match=f"{out / 'metrics.jsonl'}:[12]: not a"):
         resume(out)
+
+
+def test_a_run_copied_to_another_folder_resumes_but_not_with_another_model(tmp_path):
+    from hybridlm.training.checkpoint import check_resumable
+
+    config = TrainConfig(steps=2, batch_size=2, save_every=1, log_every=1, eval_every=100)
+    model = tiny_model()
+    model.config._name_or_path = str(tmp_path / "first" / "transfer")  # what from_pretrained records
+    train(model, tiny_rows(), config, tmp_path / "first")
+    shutil.copytree(tmp_path / "first", tmp_path / "moved")
+    moved = tiny_model()
+    moved.config._name_or_path = str(tmp_path / "moved" / "transfer")
+    assert check_resumable(tmp_path / "moved", moved) == tmp_path / "moved" / CHECKPOINT_DIR
+    with pytest.raises(ValueError, match="of another model.*hidden_size"):
+        check_resumable(tmp_path / "moved", tiny_model(hidden_size=48))
