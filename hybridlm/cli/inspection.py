@@ -196,6 +196,15 @@ def _bench_context(models, args) -> None:
         print(plot_context_rows(rows, args.plot))
 
 
+def _state_bits(text: str) -> int | str:
+    """``--state-bits``: 8 or fp8."""
+    if text not in ("8", "fp8"):
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"must be 8 or fp8, got {text!r}")
+    return 8 if text == "8" else text
+
+
 @command(
     "memory", "Cache bytes per request and per token by layer kind, at contexts and KV bit widths, beside the "
               "weights' bytes, for any config hybridlm reads (plain llama / mistral / mixtral / qwen2 / qwen3 too); "
@@ -217,6 +226,10 @@ def _bench_context(models, args) -> None:
            help="with --serve: paged KV in pages of this many tokens (counts pages rounded up and block tables)"),
     option("--weight-bits", type=int, choices=[16, 8, 4], default=16,
            help="with --serve: bits per weight (16; 8 or 4 for quantized weights, their scales not counted)"),
+    option("--state-bits", type=_state_bits, default=None,
+           help="with --serve: recurrent states in 8 (int8) or fp8 (CachePolicy.state_bits); default fp32"),
+    option("--state-rounding", choices=["nearest", "stochastic", "feedback"], default=None,
+           help="with --state-bits: the rounding (feedback counts its bf16 residual)"),
     option("--plot", help="with --serve: write a PNG of requests against context here (needs matplotlib)"),
 )
 def run_memory(args) -> None:
@@ -225,7 +238,8 @@ def run_memory(args) -> None:
     if (args.model is None) == (args.preset is None):
         raise ValueError("give --model CONFIG_OR_DIR or --preset NAME (one of them)")
     if not args.serve:
-        for flag, value in [("--page-size", args.page_size), ("--plot", args.plot)]:
+        for flag, value in [("--page-size", args.page_size), ("--plot", args.plot), ("--state-bits", args.state_bits),
+                            ("--state-rounding", args.state_rounding)]:
             if value is not None:
                 raise ValueError(f"{flag} needs --serve")
     config_file = existing_config(args.model, "--model") if args.model else None  # before torch loads
@@ -273,7 +287,8 @@ def _serve_plan(config, name: str, args) -> None:
     contexts = serving_contexts(config, args.context[0] if args.context else None)
     parameters, model = weight_parameters(config), meta_model(config)
     plans = [plan_serving(config, args.device_gib, contexts, kv_bits=bits, page_size=args.page_size,
-                          weight_bits=args.weight_bits, name=name, parameters=parameters, model=model)
+                          weight_bits=args.weight_bits, name=name, parameters=parameters, model=model,
+                          state_bits=args.state_bits, state_rounding=args.state_rounding)
              for bits in args.kv_bits or [16]]
     if args.json:
         print(json.dumps([plan.as_dict() for plan in plans], indent=1))
@@ -285,6 +300,7 @@ def _serve_plan(config, name: str, args) -> None:
     for plan in plans:
         row = plan.row(top)
         paging = f", paged KV in pages of {plan.page_size} tokens" if plan.page_size else ""
+        paging += f", {plan.state_bits} recurrent states" if plan.state_bits else ""
         print(f"\none request at {top:,} tokens, {plan.kv_bits}-bit KV{paging}: {_size(row['bytes_per_request'])} "
               f"({row['bytes_per_request']:,} B)")
         for part, held in row["bytes_by_part"].items():

@@ -23,7 +23,7 @@ import torch
 from hybridlm.cache.kv.base import KVLayout
 from hybridlm.cache.kv.paged import PagedKV
 from hybridlm.cache.kv.policy import CachePolicy
-from hybridlm.cache.states import StateGroup
+from hybridlm.cache.states import RecurrentState, StateGroup
 from hybridlm.config import HybridConfig
 from hybridlm.model.memory import _quantizable
 
@@ -54,6 +54,7 @@ class ServingPlan:
     kv_bits: int
     page_size: int | None
     rows: list[dict]
+    state_bits: int | str | None = None
 
     @property
     def free_bytes(self) -> int:
@@ -117,23 +118,39 @@ def meta_model(config: HybridConfig):
 
 
 def serving_cache(config: HybridConfig, kv_bits: int = 16, page_size: int | None = None, dtype=torch.bfloat16,
-                  batch: int = 1, max_length: int | None = None, device="meta", model=None):
+                  batch: int = 1, max_length: int | None = None, device="meta", model=None,
+                  state_bits: int | str | None = None, state_rounding: str | None = None):
     """The cache a server holds for ``batch`` requests: KV quantized to ``kv_bits`` (KIVI) or paged in pages of
-    ``page_size`` tokens where a layout takes it (sliding-window rings and MLA latents stay as they are)."""
+    ``page_size`` tokens where a layout takes it (sliding-window rings and MLA latents stay as they are); recurrent
+    states quantized to ``state_bits`` (8 or ``"fp8"``, where this hybridlm's ``CachePolicy`` has the field)."""
     if page_size is not None and kv_bits != 16:
         raise ValueError(f"--page-size {page_size} with --kv-bits {kv_bits}: a paged cache holds every token in "
                          "full precision (CachePolicy); choose one")
+    state_fields = {}
+    if state_bits is not None or state_rounding is not None:
+        if "state_bits" not in {field.name for field in dataclasses.fields(CachePolicy)}:
+            raise ValueError("--state-bits: this hybridlm's CachePolicy has no state_bits (quantized recurrent "
+                             "states are not in this build)")
+        state_fields = dict(state_bits=state_bits, state_rounding=state_rounding)
     model = model if model is not None else meta_model(config)
     default = model.new_cache(batch, device=device, dtype=dtype)
-    feature, policy = None, None
+    feature, kv_fields = None, {}
     if kv_bits != 16:
-        feature, policy = "kv_bits", CachePolicy(kv_bits=kv_bits)
+        feature, kv_fields = "kv_bits", dict(kv_bits=kv_bits)
     elif page_size is not None:
-        feature, policy = "page_size", CachePolicy(page_size=page_size)
-    if policy is None:
-        return model.new_cache(batch, max_length, device=device, dtype=dtype)
-    chosen = {index: policy for index, state in enumerate(default.states) if _takes(state, feature)}
+        feature, kv_fields = "page_size", dict(page_size=page_size)
+    chosen = {}
+    for index, state in enumerate(default.states):
+        fields = {**(kv_fields if feature and _takes(state, feature) else {}),
+                  **(state_fields if _recurrent(state) else {})}
+        if fields:
+            chosen[index] = CachePolicy(**fields)
     return model.new_cache(batch, max_length, device=device, dtype=dtype, policy=chosen or None)
+
+
+def _recurrent(state) -> bool:
+    parts = state.parts.values() if isinstance(state, StateGroup) else [state]
+    return any(isinstance(part, RecurrentState) for part in parts)
 
 
 def _takes(state, feature: str) -> bool:
@@ -177,6 +194,8 @@ def request_bytes(cache, context: int) -> tuple[dict[str, int], int]:
                 overhead += held - exact
             continue
         for name, tensor in part._tensors().items():
+            base, _, suffix = name.rpartition("_")  # a quantized state's <field>_codes, _scales, _residual
+            name = base if suffix in ("codes", "scales", "residual") and base in parts else name
             if parts == "KV" or name not in parts:
                 raise ValueError(f"--serve: the planner does not know the {name!r} tensor of a {kind} layer's "
                                  f"{type(part).__name__}")
@@ -188,7 +207,8 @@ def request_bytes(cache, context: int) -> tuple[dict[str, int], int]:
 
 def plan_serving(config: HybridConfig, device_gib: float, contexts: list[int], kv_bits: int = 16,
                  page_size: int | None = None, weight_bits: int = 16, dtype=torch.bfloat16,
-                 name: str = "model", parameters: int | None = None, model=None) -> ServingPlan:
+                 name: str = "model", parameters: int | None = None, model=None,
+                 state_bits: int | str | None = None, state_rounding: str | None = None) -> ServingPlan:
     """The requests of each context in ``contexts`` that fit in ``device_gib`` GiB beside the weights (at
     ``weight_bits`` per parameter; scales of quantized weights not counted), with a ``dtype`` cache (recurrent
     states keep the dtype their mixer gives them: fp32). ``parameters`` (:func:`weight_parameters`) and ``model``
@@ -207,14 +227,15 @@ def plan_serving(config: HybridConfig, device_gib: float, contexts: list[int], k
         raise ValueError(f"--device-gib {device_gib:g} ({device_bytes:,} B) is smaller than the {weight_bits}-bit "
                          f"weights alone: {weight_bytes / GIB:,.2f} GiB ({weight_bytes:,} B); no request fits "
                          "(give a larger device, the devices' total for tensor parallelism, or --weight-bits 8/4)")
-    cache = serving_cache(config, kv_bits, page_size, dtype, model=model)
+    cache = serving_cache(config, kv_bits, page_size, dtype, model=model, state_bits=state_bits,
+                          state_rounding=state_rounding)
     rows = []
     for context in contexts:
         by_part, overhead = request_bytes(cache, context)
         per_request = sum(by_part.values())
         rows.append(dict(context=context, bytes_by_part=by_part, bytes_per_request=per_request,
                          paged_overhead_bytes=overhead, requests=(device_bytes - weight_bytes) // per_request))
-    return ServingPlan(name, device_bytes, weight_bytes, weight_bits, kv_bits, page_size, rows)
+    return ServingPlan(name, device_bytes, weight_bytes, weight_bits, kv_bits, page_size, rows, state_bits)
 
 
 def plot_plans(plans: list[ServingPlan], path: str) -> str:
@@ -228,7 +249,8 @@ def plot_plans(plans: list[ServingPlan], path: str) -> str:
         return "no plot: matplotlib is not installed (pip install 'hybridlm[plot]')"
     figure, axis = plt.subplots(figsize=(7, 4))
     for plan in plans:
-        label = f"{plan.name}, {plan.kv_bits}-bit KV" + (f", pages of {plan.page_size}" if plan.page_size else "")
+        label = f"{plan.name}, {plan.kv_bits}-bit KV" + (f", pages of {plan.page_size}" if plan.page_size else "") \
+            + (f", {plan.state_bits} states" if plan.state_bits else "")
         axis.plot([r["context"] for r in plan.rows], [max(r["requests"], 0.5) for r in plan.rows], marker="o",
                   label=label)
     axis.set_xscale("log", base=2)

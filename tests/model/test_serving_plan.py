@@ -212,3 +212,52 @@ def test_memory_serve_bad_input_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["memory", "--model", str(tmp_path), "--page-size", "16"])
     assert "--page-size needs --serve" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["memory", "--model", str(tmp_path), "--serve", "--state-bits", "4"])
+    assert "must be 8 or fp8" in capsys.readouterr().err
+
+
+# --- quantized recurrent states (CachePolicy.state_bits, where this build has it) --------------------------------
+
+HAS_STATE_BITS = "state_bits" in {field.name for field in __import__("dataclasses").fields(CachePolicy)}
+needs_state_bits = pytest.mark.skipif(not HAS_STATE_BITS, reason="this build's CachePolicy has no state_bits")
+
+
+@needs_state_bits
+@pytest.mark.filterwarnings("ignore:cache_policy. state_bits is not applied")
+@pytest.mark.parametrize("policy", [dict(state_bits=8), dict(state_bits=8, state_rounding="feedback", kv_bits=8)],
+                         ids=["int8", "int8-feedback-kivi"])
+def test_planner_equals_allocation_with_quantized_states(policy):
+    from hybridlm import HybridForCausalLM
+
+    config = tiny_config(layer_pattern=ALL_KINDS, hidden_size=64, num_attention_heads=2)
+    torch.manual_seed(0)
+    model = HybridForCausalLM(config).eval()
+    (row,) = plan_serving(config, 1, [200], dtype=torch.float32, **policy).rows
+    cache = serving_cache(config, dtype=torch.float32, batch=3, max_length=200, device="cpu", model=model, **policy)
+    with torch.no_grad():
+        model(torch.randint(0, config.vocab_size, (3, 200)), cache=cache, use_cache=True)
+    assert cache.nbytes() == 3 * row["bytes_per_request"]
+    plain = plan_serving(config, 1, [200], dtype=torch.float32).rows[0]["bytes_by_part"]
+    assert row["bytes_by_part"]["mamba2 state"] < plain["mamba2 state"]
+
+
+@needs_state_bits
+def test_int8_states_on_nemotron_h_match_the_formula():
+    c = public("nemotron-h-8b")
+    layers, heads = c["hybrid_override_pattern"].count("M"), c["mamba_num_heads"]
+    entries = heads * c["mamba_head_dim"] * c["ssm_state_size"]
+    plan = plan_serving(read_any_config(c), 80, [4096], state_bits=8)
+    assert plan.row(4096)["bytes_by_part"]["mamba2 state"] == layers * (entries + 4 * heads)  # codes, fp32 scales
+
+
+def test_state_bits_without_the_field_is_refused(monkeypatch):
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class OldPolicy:
+        kv_bits: int = 16
+
+    monkeypatch.setattr(serving, "CachePolicy", OldPolicy)
+    with pytest.raises(ValueError, match="--state-bits: this hybridlm's CachePolicy has no state_bits"):
+        plan_serving(tiny_config(layer_pattern="AM"), 1, [64], state_bits=8)
