@@ -13,6 +13,7 @@ from __future__ import annotations
 from hybridlm.formats import (  # noqa: F401
     bamba,
     falcon_h1,
+    fla_mamba3,
     gemma,
     granitemoehybrid,
     jamba,
