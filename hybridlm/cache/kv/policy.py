@@ -21,6 +21,10 @@ beyond its window. MLA's latent cache (:class:`~hybridlm.cache.kv.latent.LatentK
 is refused, naming it (give such layers no policy: ``{layer: CachePolicy}`` for the others). Quantization
 combines with sinks + window (or a window alone) but not with heavy hitters, and paging with neither: asking for
 those is an error. A policy is fixed for the life of a cache.
+
+``state_bits`` (8 or ``"fp8"``, with ``state_rounding`` and ``state_seed``) quantizes the recurrent states instead
+(:mod:`~hybridlm.cache.quantized_state`); it leaves attention layers alone, as the KV fields leave recurrent ones,
+so one policy for every layer scopes each by layer kind, and ``{state index: CachePolicy}`` by index.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from hybridlm.cache.kv.layouts import HeavyHitterKV, SinkWindowKV
 from hybridlm.cache.kv.paged import PagedKV
 from hybridlm.cache.kv.quantize import BITS, QuantizedKV
 from hybridlm.cache.kv.quantized_window import QuantizedSinkWindowKV
-from hybridlm.cache.states import LayerState, StateGroup
+from hybridlm.cache.quantized_state import QUANTIZED, ROUNDINGS, STATE_BITS, fp8_dtype, quantized
+from hybridlm.cache.states import LayerState, RecurrentState, StateGroup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +51,10 @@ class CachePolicy:
     * ``kv_residual``: recent tokens kept in full precision;
     * ``sink_tokens`` + ``window``: StreamingLLM's attention sinks and recent window;
     * ``heavy_hitters`` + ``window``: H2O's heavy hitters and recent window;
-    * ``page_size``: tokens per page of a paged cache (rows share a pool; samples share their prompt's pages).
+    * ``page_size``: tokens per page of a paged cache (rows share a pool; samples share their prompt's pages);
+    * ``state_bits``: None (fp32 recurrent states), 8 (int8) or ``"fp8"`` (float8 e4m3), with per-head fp32 scales;
+    * ``state_rounding``: ``"nearest"`` (the default with ``state_bits``), ``"stochastic"`` or ``"feedback"``;
+    * ``state_seed``: the seed of stochastic rounding.
     """
 
     kv_bits: int = 16
@@ -56,6 +64,9 @@ class CachePolicy:
     window: int | None = None
     heavy_hitters: int | None = None
     page_size: int | None = None
+    state_bits: int | str | None = None
+    state_rounding: str | None = None
+    state_seed: int = 0
 
     def __post_init__(self):
         def positive(name, value, allow_zero=False):
@@ -85,6 +96,17 @@ class CachePolicy:
             if self.kv_bits != 16 or self.window is not None:
                 raise ValueError(f"CachePolicy: page_size={self.page_size} with kv_bits / window / sink_tokens / "
                                  "heavy_hitters is not supported; a paged cache holds every token in full precision")
+        if isinstance(self.state_bits, bool) or self.state_bits not in (*STATE_BITS, None):
+            raise ValueError(f'CachePolicy.state_bits={self.state_bits!r} must be 8, "fp8" or None')
+        if self.state_rounding is not None and self.state_bits is None:
+            raise ValueError(f"CachePolicy.state_rounding={self.state_rounding!r} needs state_bits= (8 or \"fp8\"): "
+                             "unquantized states are not rounded")
+        if self.state_rounding is not None and self.state_rounding not in ROUNDINGS:
+            raise ValueError(f"CachePolicy.state_rounding={self.state_rounding!r} must be one of "
+                             f"{', '.join(map(repr, ROUNDINGS))}")
+        positive("state_seed", self.state_seed, allow_zero=True)
+        if self.state_bits == "fp8":
+            fp8_dtype()
 
     @property
     def features(self) -> frozenset[str]:
@@ -95,7 +117,22 @@ class CachePolicy:
 
     @property
     def is_default(self) -> bool:
-        return not self.features
+        return not self.features and self.state_bits is None
+
+    def quantize_state(self, state: RecurrentState, where: str) -> RecurrentState:
+        """``state`` (a recurrent state) quantized under ``state_bits``; itself when the policy has none or its
+        class has no quantized form (warned)."""
+        if self.state_bits is None:
+            return state
+        if self.state_bits == "fp8":
+            fp8_dtype(next(iter(state._tensors().values())).device)
+        new = quantized(state, self.state_bits, self.state_rounding or "nearest", self.state_seed)
+        if new is None:
+            kinds = ", ".join(sorted(cls.__name__ for cls in QUANTIZED))
+            _say_once(f"cache_policy: state_bits is not applied to {type(state).__name__} states ({where}), which "
+                      f"stay in full precision (quantized so far: {kinds})")
+            return state
+        return new
 
     def layout(self, template: KVState, capacity: int | None = None) -> KVLayout:
         """The empty state this policy gives an attention layer whose default state is ``template``; a paged
@@ -137,7 +174,8 @@ def apply_policy(states: list[LayerState], policy: CachePolicy | Mapping[int, Ca
             raise ValueError(f"cache_policy: {{layer: CachePolicy}} needs layers in [0, {len(states)}), got "
                              f"{index!r}: {type(layer_policy).__name__}")
     replaced = [_apply(state, per_layer.get(i), capacity, f"state {i}") for i, state in enumerate(states)]
-    idle = [i for i, layer_policy in per_layer.items() if not layer_policy.is_default and not _has_attention(states[i])]
+    idle = [i for i, layer_policy in per_layer.items()
+            if layer_policy.features and layer_policy.state_bits is None and not _has_attention(states[i])]
     if isinstance(policy, Mapping) and idle:
         _say_once(f"cache_policy: states {idle} hold no attention keys and values; their policies change nothing")
     elif idle and not any(_has_attention(state) for state in states):
@@ -153,7 +191,9 @@ def _apply(state: LayerState, policy: CachePolicy | None, capacity: int | None, 
     if isinstance(state, StateGroup):
         parts = {name: _apply(part, policy, capacity, f"{where} ({name})") for name, part in state.parts.items()}
         return state if all(parts[name] is part for name, part in state.parts.items()) else StateGroup(parts)
-    if not isinstance(state, KVLayout):
+    if isinstance(state, RecurrentState):
+        return policy.quantize_state(state, where)
+    if not isinstance(state, KVLayout) or not policy.features:
         return state
     missing = sorted(policy.features - state.policy_features)
     if not missing:
