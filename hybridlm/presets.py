@@ -48,6 +48,9 @@ PRESETS: dict[str, dict] = {
     # so that it exports), a 1:3 attention:Mamba-3 hybrid, and hybrid-tiny's twin (parameters within 1%)
     "mamba3-small": dict(_SMALL, layer_pattern="RRRRRRRR", mamba3_d_state=32, mamba3_head_dim=32, rms_norm_eps=1e-5),
     "hybrid3-small": dict(_SMALL, layer_pattern="RRRARRRA", mamba3_d_state=32, mamba3_head_dim=32),
+    # ... and in flash-linear-attention's mamba3 (no MLP, its softplus A)
+    "fla-mamba3-small": dict(_SMALL, layer_pattern="RRRRRRRR", mlp_types=["none"] * 8, mamba3_d_state=32,
+                             mamba3_head_dim=32, rms_norm_eps=1e-5, mamba3_a_activation="softplus"),
     "hybrid3-tiny": dict(_TINY, layer_pattern="RRRARRRA", intermediate_size=384, mamba3_d_state=16,
                          mamba3_head_dim=32),
     "attention-tiny": dict(_TINY, layer_pattern="AAAAAAAA", intermediate_size=512),
@@ -58,7 +61,7 @@ PRESETS: dict[str, dict] = {
 FORMAT_PRESETS = {"jamba": "jamba-small", "bamba": "bamba-small", "mamba2": "mamba2-lm-small",
                   "nemotron_h": "nemotron-h-small", "lfm2": "lfm2-small", "qwen3_next": "qwen3-next-small",
                   "mamba_ssm": "mamba3-small", "llama": "attention-small", "mistral": "mistral-small",
-                  "qwen2": "qwen2-small", "qwen3": "qwen3-small"}
+                  "qwen2": "qwen2-small", "qwen3": "qwen3-small", "mamba3": "fla-mamba3-small"}
 
 
 def preset(name: str, **overrides) -> HybridConfig:

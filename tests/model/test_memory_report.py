@@ -134,9 +134,15 @@ MAMBA_SSM_HYBRID = dict(d_model=2560, n_layer=64, vocab_size=50277, ssm_cfg=dict
                         attn_cfg=dict(causal=True, head_dim=128, num_heads=30, num_heads_kv=5, rotary_emb_dim=64))
 
 
+#: flash-linear-attention's mamba3 (transformers has no config class for it): its defaults plus one of its own fields
+FLA_MAMBA3 = dict(model_type="mamba3", fuse_norm=True, num_hidden_layers=4)
+
+
 def foreign_config(model_type: str) -> dict:
     if model_type == "mamba_ssm":
         return MAMBA_SSM_HYBRID
+    if model_type == "mamba3":
+        return FLA_MAMBA3
     import transformers
 
     return transformers.AutoConfig.for_model(model_type, **FOREIGN_OVERRIDES.get(model_type, {})).to_dict()
