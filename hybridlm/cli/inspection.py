@@ -223,14 +223,16 @@ def _state_bits(text: str) -> int | str:
            help="plan serving: weights, bytes per request by part, the requests that fit at 1K, 2K, ... tokens"),
     option("--device-gib", type=non_negative_float, default=80.0, help="with --serve: device memory in GiB (80)"),
     option("--page-size", type=positive_int, default=None,
-           help="with --serve: paged KV in pages of this many tokens (counts pages rounded up and block tables)"),
+           help="with --serve: paged KV in pages of this many tokens (counts pages rounded up and block tables); "
+                "default: unpaged"),
     option("--weight-bits", type=int, choices=[16, 8, 4], default=16,
            help="with --serve: bits per weight (16; 8 or 4 for quantized weights, their scales not counted)"),
     option("--state-bits", type=_state_bits, default=None,
            help="with --serve: recurrent states in 8 (int8) or fp8 (CachePolicy.state_bits); default fp32"),
     option("--state-rounding", choices=["nearest", "stochastic", "feedback"], default=None,
-           help="with --state-bits: the rounding (feedback counts its bf16 residual)"),
-    option("--plot", help="with --serve: write a PNG of requests against context here (needs matplotlib)"),
+           help="with --state-bits: the rounding (feedback counts its bf16 residual); default: nearest"),
+    option("--plot", help="with --serve: write a PNG of requests against context here (needs matplotlib); "
+                         "default: no plot"),
 )
 def run_memory(args) -> None:
     import json
