@@ -248,9 +248,12 @@ def plot_plans(plans: list[ServingPlan], path: str) -> str:
     except ImportError:
         return "no plot: matplotlib is not installed (pip install 'hybridlm[plot]')"
     figure, axis = plt.subplots(figsize=(7, 4))
+    models = len({plan.name for plan in plans})
     for plan in plans:
         label = f"{plan.name}, {plan.kv_bits}-bit KV" + (f", pages of {plan.page_size}" if plan.page_size else "") \
             + (f", {plan.state_bits} states" if plan.state_bits else "")
+        if models > 1:  # each model's own weights
+            label += f" ({plan.weight_bits}-bit weights {plan.weight_bytes / GIB:.0f} GiB)"
         axis.plot([r["context"] for r in plan.rows], [max(r["requests"], 0.5) for r in plan.rows], marker="o",
                   label=label)
     axis.set_xscale("log", base=2)
@@ -258,8 +261,8 @@ def plot_plans(plans: list[ServingPlan], path: str) -> str:
     axis.set_xlabel("context (tokens per request)")
     axis.set_ylabel("concurrent requests that fit")
     first = plans[0]
-    axis.set_title(f"{first.device_bytes / GIB:g} GiB, {first.weight_bits}-bit weights "
-                   f"({first.weight_bytes / GIB:.1f} GiB)", fontsize=9)
+    weights = "" if models > 1 else f", {first.weight_bits}-bit weights ({first.weight_bytes / GIB:.1f} GiB)"
+    axis.set_title(f"{first.device_bytes / GIB:g} GiB device{weights}", fontsize=9)
     axis.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
