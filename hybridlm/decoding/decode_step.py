@@ -7,6 +7,8 @@ prefill); positions come from the cache as a tensor; the position limit was chec
 before prefill. The cache's Python counters advance outside the step (:meth:`DecodeStep.__call__`), so the step
 itself is a pure tensor program: with a static cache (:mod:`hybridlm.cache.kv.static`) its shapes never change and
 ``torch.compile(fullgraph=True)`` captures it whole (on CUDA as a CUDA graph with ``mode="reduce-overhead"``).
+One exception, for float16 models only: :meth:`DecodeStep.__call__` reads back whether the logits are finite
+(an overflow past 65504 raises instead of decoding NaN), outside the step itself.
 """
 
 from __future__ import annotations
