@@ -155,9 +155,9 @@ def _model_and_tokenizer(source: str | None):
     import torch
 
     from hybridlm.bundled import bundled_model_dir
-    from hybridlm.model import load
     from hybridlm.formats.base import resolve_directory
     from hybridlm.formats.gguf import read_gguf_tokenizer
+    from hybridlm.model import load
     from hybridlm.training.tokenizer import check_tokenizer_fits, tokenizer_for
 
     if gguf is not None:
