@@ -272,8 +272,8 @@ def plot(rows: list[dict], path: Path) -> bool:
         return False
     cells = sorted({(r["seq_len"], r["kv_pairs"]) for r in rows})
     mixers = [m for m in MIXER_PATTERNS if any(r["mixer"] == m for r in rows)]
-    colours = dict(zip(mixers, plt.get_cmap("tab10").colors))
-    markers = dict(zip(mixers, "osD^vPX*h"))  # points of equal accuracy and bytes stay told apart
+    colours = dict(zip(mixers, plt.get_cmap("tab20").colors[::2] + plt.get_cmap("tab20").colors[1::2]))
+    markers = dict(zip(mixers, "osD^vPX*h<>"))  # points of equal accuracy and bytes stay told apart
     fig, axes = plt.subplots(1, len(cells), figsize=(max(5, 4 * len(cells)) + 1.4, 3.6), squeeze=False, sharey=True)
     for ax, (seq_len, kv_pairs) in zip(axes[0], cells):
         for mixer in reversed(mixers):  # attention, listed first, drawn on top

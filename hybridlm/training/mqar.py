@@ -30,6 +30,7 @@ IGNORE = -100
 MIXER_PATTERNS = {
     "attention": "AA", "conv-attention": "CA", "mamba": "MM", "mamba2": "SS", "performer": "PP",
     "linformer": "LL", "mamba2-4layer": "SSSS", "hybrid-1:1": "SASA", "hybrid-1:3": "SSSA",
+    "mamba3": "RR", "hybrid3-1:3": "RRRA",
 }
 #: Letters of the layer kinds whose state has no size to choose (attention's grows, the short conv's is its
 #: window): a model made of these alone takes ``state_size=None``.
@@ -188,7 +189,7 @@ def mqar_config(mixer: str, hidden_size: int, state_size: int | None, seq_len: i
                 mamba2_norm: str = "gated"):
     """The :class:`~hybridlm.HybridConfig` of benchmark model ``mixer`` (a key of :data:`MIXER_PATTERNS`):
     no MLPs (Zoology's MQAR models are mixers only), tied embeddings, heads of width 32. ``state_size`` is the
-    recurrent state dimension of the fixed-state kinds (Mamba/Mamba-2 ``d_state``, Performer features,
+    recurrent state dimension of the fixed-state kinds (Mamba/Mamba-2/Mamba-3 ``d_state``, Performer features,
     Linformer rank); attention and conv-attention have none. ``mamba2_norm``: Mamba-2's output gating
     (:class:`~hybridlm.HybridConfig` field of that name)."""
     from hybridlm.config import HybridConfig
@@ -206,6 +207,7 @@ def mqar_config(mixer: str, hidden_size: int, state_size: int | None, seq_len: i
         vocab_size=vocab_size, hidden_size=hidden_size, layer_pattern=pattern, mlp_types=["none"] * len(pattern),
         tie_word_embeddings=True, num_attention_heads=max(1, hidden_size // 32), head_dim=min(32, hidden_size),
         mamba_d_state=state, mamba2_d_state=state, mamba2_head_dim=min(32, hidden_size), mamba2_chunk_size=64,
+        mamba3_d_state=state, mamba3_head_dim=min(32, hidden_size),
         performer_num_features=state, linformer_rank=state, linformer_max_length=seq_len,
         max_position_embeddings=None, eos_token_id=None, mamba2_norm=mamba2_norm,
     )

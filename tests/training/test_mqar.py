@@ -147,8 +147,12 @@ def test_state_bytes_grow_with_length_for_attention_only():
     short, long = mqar.state_bytes_per_sequence(mamba2, 32), mqar.state_bytes_per_sequence(mamba2, 128)
     # per layer: the SSM state (128 channels x 16) and the conv window (3 x (128 + 2 x 16)), fp32
     assert short == long == 2 * (128 * 16 + 3 * (128 + 2 * 16)) * 4 + 8
-    assert set(mqar.MIXER_PATTERNS) >= {"attention", "mamba", "mamba2", "performer", "linformer", "hybrid-1:1",
-                                    "hybrid-1:3"}
+    mamba3 = HybridForCausalLM(mqar.mqar_config("mamba3", 64, 16, 128, vocab_size=128))
+    # per layer, 4 heads of 32 channels: the angles (16 * 0.5 // 2 = 4 per head) and the SSM state (32 x 16) in
+    # fp32, and the previous token's key (16 per head) and x (32 per head), fp32 here; no conv
+    assert mqar.state_bytes_per_sequence(mamba3, 32) == 2 * (4 * (4 + 32 * 16) + 4 * (16 + 32)) * 4 + 8
+    assert set(mqar.MIXER_PATTERNS) >= {"attention", "mamba", "mamba2", "mamba3", "performer", "linformer",
+                                        "hybrid-1:1", "hybrid-1:3", "hybrid3-1:3"}
 
 
 @torch.no_grad()
