@@ -1,40 +1,55 @@
 """Quantized recurrent states (``CachePolicy(state_bits=8 | "fp8", state_rounding=...)``).
 
-A quantized state keeps each of its recurrent tensors (``quantized_fields``: an SSM's ``ssm``) as codes with
-one fp32 scale per batch row and head (per channel for Mamba-1's ``[d_inner, d_state]`` state): the absmax of
-the head's entries over 127 (int8) or 448 (fp8 e4m3). Its other tensors (a conv window) stay as they were.
+A recurrent state class names the tensors a policy quantizes in its ``quantized_fields``
+(:class:`~hybridlm.cache.states.Quantizable`): an SSM's state and conv window, Performer's and Linformer's
+running sums, a short-conv window, Mamba-3's state and previous input. Each is held as codes with fp32 scales:
+the absmax over 127 (int8) or 448 (fp8 e4m3) of each group that ``scale_dims`` names (a head for an SSM state or
+a running sum; a held token's column for a conv window). The class's other tensors stay as they were (Performer's
+running maximum, Linformer's token count, Mamba-3's angles). :func:`quantized_class` derives the quantized form
+of any such class; a kind needs nothing else.
 
 The seam is the one every recurrent mixer already goes through. :meth:`checkpointing` (called at the start of
-each forward) dequantizes the codes into an fp32 working tensor under the field's own name, which the mixer
-reads and updates as it would a plain state; the forward's result is quantized back when the forward is done
-(:meth:`keep_states`, :meth:`advance` or any read of the stored tensors) and the working tensor is dropped. So
-each forward computes in fp32 from the dequantized state and writes its final state quantized; a one-token
-decode step quantizes after every token. A multi-token forward quantizes once, at its end: outputs depend on
-how a prefill is cut into forwards (``chunk_dependent``). Mixers never read the codes.
+each forward, before the mixer reads its state) dequantizes the codes into a working tensor under the field's own
+name and dtype, which the mixer reads and updates as it would a plain state; the forward's result is quantized
+back when the forward is done (:meth:`keep_states`, :meth:`advance` or any read of the stored tensors) and the
+working tensor is dropped. So each forward computes from the dequantized state and writes its final state
+quantized; a one-token decode step quantizes after every token. A multi-token forward quantizes once, at its end:
+outputs depend on how a prefill is cut into forwards (``chunk_dependent``). Mixers never read the codes.
 
-Rounding (``rounding``):
+Rounding (``rounding``), of the fields that accumulate (``Quantizable.accumulates``):
 
 * ``nearest``: round to the nearest code;
 * ``stochastic``: round up with probability equal to the fraction (fp8: dither by one unit in the last place,
   then round to nearest); the noise is a function of ``seed`` and the number of tokens the state has seen, the
   same for every row, so a run, a crop and a prefix-cache restore are reproducible bit for bit;
 * ``feedback``: the rounding error of each write (``value - dequantized``) is kept in a bf16 ``residual`` of the
-  state's shape and added to the next write (error feedback); its bytes are counted.
+  field's shape and added to the next write (error feedback); its bytes are counted.
 
-Bytes per row and quantized field of ``n`` entries in ``h`` scale groups: ``n + 4 * h`` (``+ 2 * n`` with
-feedback); see :meth:`QuantizedState.predicted_nbytes`. Rollback checkpoints hold the same quantized form.
+A field that does not accumulate (a window of recent inputs, each entry written once) rounds to nearest under
+every mode: nothing sums its errors, and rounding an entry again to its own scale gives the same code, so a
+window's old columns do not change as it shifts.
+
+Bytes per row and quantized field of ``n`` entries in ``g`` scale groups: ``n + 4 * g`` (``+ 2 * n`` with
+feedback, on a field that accumulates); see :meth:`QuantizedState.predicted_nbytes`. Rollback checkpoints hold
+the same quantized form.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import ClassVar
+import math
 
 import torch
 
 from hybridlm.cache import rollback
-from hybridlm.cache.states import RecurrentState, SSMState, _tensor_nbytes
+from hybridlm.cache.states import (
+    CompressedKVState,
+    LinearAttentionState,
+    RecurrentState,
+    SSMState,
+    _tensor_nbytes,
+)
 
 STATE_BITS = (8, "fp8")
 ROUNDINGS = ("nearest", "stochastic", "feedback")
@@ -66,13 +81,15 @@ def _noise(shape: tuple[int, ...], seed: int, step: int, device) -> torch.Tensor
     return torch.rand((1, *shape[1:]), generator=generator).to(device)
 
 
-def quantize(value: torch.Tensor, bits, rounding: str, seed: int, step: int):
-    """``value [batch, heads, ...]`` (fp32) as ``(codes, scales [batch, heads])``: see the module docstring;
-    ``step`` (the tokens seen after this write) chooses the stochastic noise."""
+def quantize(value: torch.Tensor, scale_dims: tuple[int, ...], bits, rounding: str, seed: int, step: int):
+    """``value [batch, ...]`` (fp32) as ``(codes, scales)``: one scale per batch row and index of
+    ``scale_dims``, kept as dims of size 1 elsewhere so that ``codes * scales`` broadcasts (see the module
+    docstring); ``step`` (the tokens seen after this write) chooses the stochastic noise."""
     top = 127.0 if bits == 8 else _FP8_MAX
-    absmax = value.abs().flatten(2).amax(-1)
+    reduced = [d for d in range(1, value.dim()) if d not in scale_dims]
+    absmax = value.abs().amax(dim=reduced, keepdim=True) if reduced else value.abs()
     scales = torch.where(absmax > 0, absmax / top, torch.ones_like(absmax))
-    scaled = value / scales.view(*scales.shape, *[1] * (value.dim() - 2))
+    scaled = value / scales
     if bits == 8:
         if rounding == "stochastic":
             scaled = torch.floor(scaled + _noise(value.shape, seed, step, value.device))
@@ -86,17 +103,16 @@ def quantize(value: torch.Tensor, bits, rounding: str, seed: int, step: int):
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return codes.float() * scales.view(*scales.shape, *[1] * (codes.dim() - scales.dim()))
+    return codes.float() * scales
 
 
 @dataclasses.dataclass
 class QuantizedState(RecurrentState):
     """A recurrent state whose ``quantized_fields`` are held as ``<name>_codes``, ``<name>_scales`` and (feedback)
-    ``<name>_residual``; the field ``<name>`` itself is None except during a forward, when it holds the fp32
-    working value. A kind's quantized class declares those fields beside its own (see
-    :class:`QuantizedSSMState`)."""
+    ``<name>_residual``; the field ``<name>`` itself is None except during a forward, when it holds the working
+    value (in the dtype the plain state had: ``working_dtypes``). :func:`quantized_class` makes the
+    subclass of each plain state class, with those fields."""
 
-    quantized_fields: ClassVar[tuple[str, ...]] = ()
     chunk_dependent = True
 
     bits: int | str = dataclasses.field(default=8, kw_only=True)
@@ -104,32 +120,39 @@ class QuantizedState(RecurrentState):
     seed: int = dataclasses.field(default=0, kw_only=True)
     steps: int = dataclasses.field(default=0, kw_only=True)  # tokens the state has seen (the stochastic noise's step)
     pending: int = dataclasses.field(default=0, kw_only=True)  # tokens of the forward whose result is not yet stored
+    #: the dtype of each quantized field in the plain state (``torch`` attribute names, in field order)
+    working_dtypes: list = dataclasses.field(default_factory=list, kw_only=True)
 
     @classmethod
     def of(cls, state: RecurrentState, bits, rounding: str, seed: int = 0) -> QuantizedState:
         """The quantized form of ``state`` (an empty or a warm one; its rollback history is not carried over)."""
         plain = {f.name: getattr(state, f.name) for f in dataclasses.fields(state) if f.name != "history"}
-        stored = {}
-        for name in cls.quantized_fields:
-            codes, scales = quantize(plain.pop(name).float(), bits, "nearest", seed, 0)
+        stored, dtypes = {}, []
+        for name, spec in cls.quantized_fields.items():
+            value = plain.pop(name)
+            dtypes.append(str(value.dtype).removeprefix("torch."))
+            codes, scales = quantize(value.float(), spec.scale_dims, bits, "nearest", seed, 0)
             stored.update({f"{name}_codes": codes, f"{name}_scales": scales})
-            stored[f"{name}_residual"] = torch.zeros_like(codes, dtype=torch.bfloat16) if rounding == "feedback" \
-                else None
-        return cls(**plain, **dict.fromkeys(cls.quantized_fields), **stored, bits=bits, rounding=rounding, seed=seed)
+            stored[f"{name}_residual"] = torch.zeros_like(codes, dtype=torch.bfloat16) \
+                if rounding == "feedback" and spec.accumulates else None
+        return cls(**plain, **dict.fromkeys(cls.quantized_fields), **stored, bits=bits, rounding=rounding, seed=seed,
+                   working_dtypes=dtypes)
 
     # --- the working value ------------------------------------------------------------------------
 
     def _store(self, values: dict[str, torch.Tensor], step: int, residuals: dict | None = None) -> dict:
-        """``values`` (fp32, ``[batch, ...]`` or ``[batch, time, ...]`` with per-token ``step``) in stored form."""
+        """``values`` (``[batch, ...]``, or ``[batch, time, ...]`` with per-token ``step``) in stored form."""
         out = {}
         for name, value in values.items():
+            spec, value = self.quantized_fields[name], value.float()
+            rounding = self.rounding if spec.accumulates else "nearest"
             residual = (residuals or {}).get(name, getattr(self, f"{name}_residual"))
             if residual is not None:
                 value = value + (residual.float() if value.dim() == residual.dim() else residual.float().unsqueeze(1))
             if value.dim() == getattr(self, f"{name}_codes").dim():
-                codes, scales = quantize(value, self.bits, self.rounding, self.seed, step)
+                codes, scales = quantize(value, spec.scale_dims, self.bits, rounding, self.seed, step)
             else:  # per-token states [batch, time, ...]: token j is written at step + j
-                pairs = [quantize(value[:, j], self.bits, self.rounding, self.seed, step + j)
+                pairs = [quantize(value[:, j], spec.scale_dims, self.bits, rounding, self.seed, step + j)
                          for j in range(value.shape[1])]
                 codes, scales = (torch.stack(parts, 1) for parts in zip(*pairs))
             out[f"{name}_codes"], out[f"{name}_scales"] = codes, scales
@@ -152,8 +175,9 @@ class QuantizedState(RecurrentState):
     def checkpointing(self, time: int) -> bool:
         self._commit()
         keep = rollback.start_forward(self, time)  # (its history holds the stored form)
-        for name in self.quantized_fields:
-            setattr(self, name, dequantize(getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales")))
+        for name, dtype in zip(self.quantized_fields, self.working_dtypes, strict=True):
+            value = dequantize(getattr(self, f"{name}_codes"), getattr(self, f"{name}_scales"))
+            setattr(self, name, value.to(getattr(torch, dtype)))
         self.pending = time
         return keep
 
@@ -169,6 +193,7 @@ class QuantizedState(RecurrentState):
 
     def advance(self, tokens: int) -> None:
         self._commit()
+        super().advance(tokens)
 
     def rewind(self, tokens: int) -> None:
         self._commit()
@@ -187,35 +212,37 @@ class QuantizedState(RecurrentState):
 
     def predicted_nbytes(self, tokens: int = 0) -> int:
         """Bytes held, whatever ``tokens``: the unquantized tensors, then per quantized field of ``n`` entries
-        and ``h`` scales per row: ``n`` (int8 or fp8 codes) + ``4 h`` (fp32 scales) + ``2 n`` with feedback
-        (the bf16 residual)."""
+        and ``g`` scale groups (the batch rows times the sizes of its ``scale_dims``): ``n`` (int8 or fp8 codes)
+        + ``4 g`` (fp32 scales) + ``2 n`` with feedback on a field that accumulates (the bf16 residual)."""
         total = 0
         for name, t in self._tensors().items():
             if not name.endswith(("_codes", "_scales", "_residual")):
                 total += _tensor_nbytes(t)
-        for name in self.quantized_fields:
+        for name, spec in self.quantized_fields.items():
             codes = getattr(self, f"{name}_codes")
-            n, heads = codes.numel(), codes.shape[0] * codes.shape[1]
-            total += n + 4 * heads + (2 * n if self.rounding == "feedback" else 0)
+            n, groups = codes.numel(), codes.shape[0] * math.prod(codes.shape[d] for d in spec.scale_dims)
+            total += n + 4 * groups + (2 * n if self.rounding == "feedback" and spec.accumulates else 0)
         return total
 
 
-@dataclasses.dataclass
-class QuantizedSSMState(QuantizedState, SSMState):
-    """:class:`~hybridlm.cache.SSMState` (Mamba, Mamba-2, Gated DeltaNet, KDA) with its ``ssm`` quantized; the
-    conv window stays in the model dtype."""
+@functools.cache
+def quantized_class(cls: type[RecurrentState]) -> type[QuantizedState]:
+    """``Quantized<cls>``: ``cls`` with each of its ``quantized_fields`` held as codes, scales and a residual."""
+    stored = [(f"{name}_{part}", torch.Tensor | None, dataclasses.field(default=None, kw_only=True))
+              for name in cls.quantized_fields for part in ("codes", "scales", "residual")]
+    doc = (f":class:`{cls.__name__}` with {', '.join(cls.quantized_fields)} quantized "
+           "(:mod:`hybridlm.cache.quantized_state`).")
+    return dataclasses.make_dataclass(f"Quantized{cls.__name__}", stored, bases=(QuantizedState, cls),
+                                      namespace={"__doc__": doc, "__module__": __name__})
 
-    quantized_fields = ("ssm",)
-    ssm_codes: torch.Tensor = dataclasses.field(default=None, kw_only=True)
-    ssm_scales: torch.Tensor = dataclasses.field(default=None, kw_only=True)
-    ssm_residual: torch.Tensor | None = dataclasses.field(default=None, kw_only=True)
 
-
-#: the quantized class of each recurrent state class that has one
-QUANTIZED: dict[type, type[QuantizedState]] = {SSMState: QuantizedSSMState}
+QuantizedSSMState = quantized_class(SSMState)
+QuantizedLinearAttentionState = quantized_class(LinearAttentionState)
+QuantizedCompressedKVState = quantized_class(CompressedKVState)
 
 
 def quantized(state: RecurrentState, bits, rounding: str, seed: int = 0) -> RecurrentState | None:
-    """The quantized form of ``state`` (None: its class has none)."""
-    cls = QUANTIZED.get(type(state))
-    return None if cls is None else cls.of(state, bits, rounding, seed)
+    """The quantized form of ``state`` (None: its class quantizes no field)."""
+    if not type(state).quantized_fields:
+        return None
+    return quantized_class(type(state)).of(state, bits, rounding, seed)

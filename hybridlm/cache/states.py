@@ -20,7 +20,7 @@ the model dtype, as mamba-ssm does for the scan.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -127,11 +127,29 @@ class LayerState:
         """Undo the last ``tokens`` token slots in place (only after :meth:`rewind_blocker` returned None)."""
         raise NotImplementedError
 
+class Quantizable(NamedTuple):
+    """How ``CachePolicy(state_bits=...)`` quantizes one tensor field of a recurrent state
+    (:mod:`hybridlm.cache.quantized_state`)."""
+
+    #: the dims (after the batch, dim 0) that keep a scale of their own: ``(1,)`` one per head
+    scale_dims: tuple[int, ...] = (1,)
+    #: whether every token adds to the field (an SSM state, a running sum), so that its rounding errors
+    #: accumulate; a field written whole and read for a few tokens (a conv window, a previous input) is not
+    accumulates: bool = True
+
+
+#: a conv window ``[batch, channels, width - 1]``: one scale per held token (each column is written once)
+WINDOW = Quantizable(scale_dims=(2,), accumulates=False)
+
+
 @dataclasses.dataclass
 class RecurrentState(LayerState):
     """A fixed-size state that every token updates (an SSM, a conv window, linear-attention sums). It rolls back
     to kept checkpoints (:class:`~hybridlm.cache.rollback.StateHistory`): its mixer calls :meth:`checkpointing` before
     a forward updates it and, when that says so, :meth:`keep_states` after."""
+
+    #: the tensor fields a quantized state policy stores as codes and scales (the others stay as they are)
+    quantized_fields: ClassVar[dict[str, Quantizable]] = {}
 
     history: rollback.StateHistory | None = dataclasses.field(default=None, kw_only=True, repr=False)
     checkpoint_limit: int = dataclasses.field(default=0, kw_only=True)  # tokens kept across forwards (0: none)
@@ -175,6 +193,8 @@ class SSMState(RecurrentState):
     recurrent state ``ssm`` (fp32): ``[batch, d_inner, dstate]`` (Mamba-1) or ``[batch, heads, head_dim,
     dstate]`` (Mamba-2)."""
 
+    quantized_fields = {"ssm": Quantizable(), "conv": WINDOW}
+
     conv: torch.Tensor
     ssm: torch.Tensor
 
@@ -185,6 +205,8 @@ class LinearAttentionState(RecurrentState):
     phi(k)`` (the last row is the normaliser), kept scaled by ``exp(-max)``, where ``max [batch, heads]`` is
     the largest key log-feature seen so far (-inf before the first real key), so that it cannot overflow."""
 
+    quantized_fields = {"kv": Quantizable()}
+
     kv: torch.Tensor
     max: torch.Tensor
 
@@ -194,6 +216,8 @@ class CompressedKVState(RecurrentState):
     """Causal Linformer: the compressed ``keys, values [batch, heads, rank, head_dim]`` (fp32 sums), ``tokens
     [batch]`` (int64: the real tokens summed into them, what the mean form divides by), and the number of token
     slots seen (the default position of the next token)."""
+
+    quantized_fields = {"keys": Quantizable(), "values": Quantizable()}
 
     keys: torch.Tensor
     values: torch.Tensor

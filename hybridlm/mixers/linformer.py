@@ -95,6 +95,7 @@ class Linformer(Mixer):
             values = torch.einsum("btr,bhtd->bhrd", f, v)  # [b, h, rank, d]
             out = torch.softmax(q @ keys.transpose(-1, -2) * scale, dim=-1) @ values  # [b, h, t, d]
             return self.o_proj(out.to(x.dtype).transpose(1, 2).reshape(batch, time, -1))
+        track = state is not None and state.checkpointing(time)  # keep the sums after each token (rollback)
         real = torch.ones_like(positions) if mask is None else mask.long()  # [b, t]
         tokens = real.cumsum(-1) + (state.tokens[:, None] if state is not None else 0)  # [b, t]: summed so far
         tokens = tokens if counted is None else counted
@@ -105,7 +106,6 @@ class Linformer(Mixer):
             initial_state=(state.keys, state.values) if state is not None else None, **packed,
         )  # out [b, h, t, d]
         if state is not None:
-            track = state.checkpointing(time)  # keep the sums after each token (rollback)
             if track:  # running sums of the compressed keys and values: [b, t, h, rank, d]
                 per_token = {name: torch.einsum("btr,bhtd->bthrd", proj.float(), t.float()).cumsum(1) + held[:, None]
                              for name, proj, t, held in (("keys", e, k, state.keys), ("values", f, v, state.values))}

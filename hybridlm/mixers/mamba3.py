@@ -20,6 +20,7 @@ from torch import nn
 
 from hybridlm import ops
 from hybridlm.cache import RecurrentState
+from hybridlm.cache.states import Quantizable
 from hybridlm.layers.norms import GatedRMSNorm, RMSNorm
 from hybridlm.mixers.base import Mixer, check_dt_range, invalid_config, register, zero_padding
 from hybridlm.mixers.mamba import inverse_softplus_dt
@@ -38,7 +39,12 @@ class Mamba3State(RecurrentState):
     """Mamba-3's decode state: ``angle [batch, heads, n_angles]`` (fp32, the accumulated rotary angles, in [0,
     2 pi)), ``ssm [batch, heads, head_dim, d_state]`` (fp32), ``k [batch, rank, heads, d_state]`` (the last
     token's rotated, biased B) and ``v [batch, heads, head_dim]`` (its x), in the model dtype:
-    ``4 * heads * (n_angles + head_dim * d_state) + (rank * heads * d_state + heads * head_dim) * e`` bytes."""
+    ``4 * heads * (n_angles + head_dim * d_state) + (rank * heads * d_state + heads * head_dim) * e`` bytes.
+    Quantized (``state_bits``): the SSM state per head, the previous key and x per (rank and) head; the angles
+    stay fp32, since their error would turn every later rotation."""
+
+    quantized_fields = {"ssm": Quantizable(), "k": Quantizable((1, 2), accumulates=False),
+                        "v": Quantizable(accumulates=False)}
 
     angle: torch.Tensor
     ssm: torch.Tensor

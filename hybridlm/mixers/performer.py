@@ -127,6 +127,7 @@ class Performer(Mixer):
             check_stateless(self.kind, state, mask)
             x, packed = segments.one_row(x), segments.scan_kwargs()
         batch, time, _ = x.shape
+        track = state is not None and state.checkpointing(time)  # keep the sums after each token (rollback)
         q, k, v = (proj(x).view(batch, time, self.num_heads, -1).transpose(1, 2)  # [b, h, t, d]
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         log_q = self._log_features(q)  # [b, h, t, f]
@@ -142,7 +143,6 @@ class Performer(Mixer):
             q_feat, k_feat, v_ones, log_decay, initial_state=state.kv if state is not None else None, **packed
         )  # [b, h, t, d + 1]
         if state is not None:
-            track = state.checkpointing(time)  # keep the sums after each token (rollback)
             if track:  # [b, t, h, d + 1, f]
                 per_token = decay_scan_states(*(t.transpose(1, 2) for t in (k_feat, v_ones, log_decay)), state.kv)
             state.kv.copy_(final)

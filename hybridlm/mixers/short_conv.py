@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from hybridlm.cache import RecurrentState
+from hybridlm.cache.states import WINDOW
 from hybridlm.layers.conv import ShortConv
 from hybridlm.mixers.base import Mixer, register, zero_padding
 from hybridlm.mixers.gated_deltanet import check_positive
@@ -23,6 +24,8 @@ from hybridlm.ops.causal_conv1d import causal_conv1d_windows
 class ConvState(RecurrentState):
     """The causal-conv window alone, ``conv [batch, channels, width - 1]`` (model dtype): ``channels * (width -
     1) * e`` bytes per row."""
+
+    quantized_fields = {"conv": WINDOW}
 
     conv: torch.Tensor
 

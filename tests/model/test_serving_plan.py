@@ -249,6 +249,9 @@ def test_int8_states_on_nemotron_h_match_the_formula():
     entries = heads * c["mamba_head_dim"] * c["ssm_state_size"]
     plan = plan_serving(read_any_config(c), 80, [4096], state_bits=8)
     assert plan.row(4096)["bytes_by_part"]["mamba2 state"] == layers * (entries + 4 * heads)  # codes, fp32 scales
+    # the conv window: int8 codes, one fp32 scale per held token (kernel - 1 of them)
+    channels, held = heads * c["mamba_head_dim"] + 2 * c["n_groups"] * c["ssm_state_size"], c["conv_kernel"] - 1
+    assert plan.row(4096)["bytes_by_part"]["mamba2 conv"] == layers * (channels * held + 4 * held)
 
 
 def test_state_bits_without_the_field_is_refused(monkeypatch):

@@ -38,7 +38,7 @@ from hybridlm.cache.kv.layouts import HeavyHitterKV, SinkWindowKV
 from hybridlm.cache.kv.paged import PagedKV
 from hybridlm.cache.kv.quantize import BITS, QuantizedKV
 from hybridlm.cache.kv.quantized_window import QuantizedSinkWindowKV
-from hybridlm.cache.quantized_state import QUANTIZED, ROUNDINGS, STATE_BITS, fp8_dtype, quantized
+from hybridlm.cache.quantized_state import ROUNDINGS, STATE_BITS, fp8_dtype, quantized
 from hybridlm.cache.states import LayerState, RecurrentState, StateGroup
 
 
@@ -121,16 +121,15 @@ class CachePolicy:
 
     def quantize_state(self, state: RecurrentState, where: str) -> RecurrentState:
         """``state`` (a recurrent state) quantized under ``state_bits``; itself when the policy has none or its
-        class has no quantized form (warned)."""
+        class quantizes no field (warned)."""
         if self.state_bits is None:
             return state
         if self.state_bits == "fp8":
             fp8_dtype(next(iter(state._tensors().values())).device)
         new = quantized(state, self.state_bits, self.state_rounding or "nearest", self.state_seed)
         if new is None:
-            kinds = ", ".join(sorted(cls.__name__ for cls in QUANTIZED))
             _say_once(f"cache_policy: state_bits is not applied to {type(state).__name__} states ({where}), which "
-                      f"stay in full precision (quantized so far: {kinds})")
+                      "stay in full precision (the class names no quantized_fields)")
             return state
         return new
 
