@@ -27,7 +27,8 @@ Rounding (``rounding``), of the fields that accumulate (``Quantizable.accumulate
 
 A field that does not accumulate (a window of recent inputs, each entry written once) rounds to nearest under
 every mode: nothing sums its errors, and rounding an entry again to its own scale gives the same code, so a
-window's old columns do not change as it shifts.
+window's old columns do not change as it shifts. ``CachePolicy(state_windows=False)`` keeps such fields as they
+are.
 
 Bytes per row and quantized field of ``n`` entries in ``g`` scale groups: ``n + 4 * g`` (``+ 2 * n`` with
 feedback, on a field that accumulates); see :meth:`QuantizedState.predicted_nbytes`. Rollback checkpoints hold
@@ -226,14 +227,15 @@ class QuantizedState(RecurrentState):
 
 
 @functools.cache
-def quantized_class(cls: type[RecurrentState]) -> type[QuantizedState]:
-    """``Quantized<cls>``: ``cls`` with each of its ``quantized_fields`` held as codes, scales and a residual."""
+def quantized_class(cls: type[RecurrentState], windows: bool = True) -> type[QuantizedState]:
+    """``Quantized<cls>``: ``cls`` with each of its ``quantized_fields`` (without ``windows``: those that
+    accumulate) held as codes, scales and a residual."""
+    fields = {name: spec for name, spec in cls.quantized_fields.items() if windows or spec.accumulates}
     stored = [(f"{name}_{part}", torch.Tensor | None, dataclasses.field(default=None, kw_only=True))
-              for name in cls.quantized_fields for part in ("codes", "scales", "residual")]
-    doc = (f":class:`{cls.__name__}` with {', '.join(cls.quantized_fields)} quantized "
-           "(:mod:`hybridlm.cache.quantized_state`).")
+              for name in fields for part in ("codes", "scales", "residual")]
+    doc = f":class:`{cls.__name__}` with {', '.join(fields)} quantized (:mod:`hybridlm.cache.quantized_state`)."
     return dataclasses.make_dataclass(f"Quantized{cls.__name__}", stored, bases=(QuantizedState, cls),
-                                      namespace={"__doc__": doc, "__module__": __name__})
+                                      namespace={"__doc__": doc, "__module__": __name__, "quantized_fields": fields})
 
 
 QuantizedSSMState = quantized_class(SSMState)
@@ -241,8 +243,7 @@ QuantizedLinearAttentionState = quantized_class(LinearAttentionState)
 QuantizedCompressedKVState = quantized_class(CompressedKVState)
 
 
-def quantized(state: RecurrentState, bits, rounding: str, seed: int = 0) -> RecurrentState | None:
-    """The quantized form of ``state`` (None: its class quantizes no field)."""
-    if not type(state).quantized_fields:
-        return None
-    return quantized_class(type(state)).of(state, bits, rounding, seed)
+def quantized(state: RecurrentState, bits, rounding: str, seed: int = 0, windows: bool = True) -> RecurrentState | None:
+    """The quantized form of ``state`` (None: no field of its class is quantized, with or without ``windows``)."""
+    cls = quantized_class(type(state), windows)
+    return cls.of(state, bits, rounding, seed) if cls.quantized_fields else None

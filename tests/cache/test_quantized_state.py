@@ -144,6 +144,28 @@ def test_a_window_rounds_to_nearest_and_its_old_columns_keep_their_codes():
             assert not torch.equal(state.conv_codes, old)
 
 
+@pytest.mark.filterwarnings("ignore:cache_policy. state_bits is not applied to ConvState")
+def test_state_windows_false_keeps_the_windows_as_they_are():
+    model = tiny_model(layer_pattern="SRCA")
+    ids = random_ids(2, 8)
+    _, cache = run(model, ids, CachePolicy(state_bits=8, state_windows=False))
+    _, plain = run(model, ids, None)
+    _, both = run(model, ids, CachePolicy(state_bits=8))
+    mamba2, mamba3, short_conv = cache.states[:3]
+    assert set(type(mamba2).quantized_fields) == {"ssm"} and set(type(mamba3).quantized_fields) == {"ssm"}
+    assert type(short_conv).__name__ == "ConvState"  # nothing of it accumulates: left unquantized
+    assert torch.equal(mamba2.conv, plain.states[0].conv)  # the first layer's inputs do not depend on the states
+    assert mamba2.conv.dtype == torch.float32 and mamba3.k.dtype == mamba3.v.dtype == torch.float32
+    window_bytes = sum(t.numel() * t.element_size() for t in (plain.states[0].conv, plain.states[1].k,
+                                                               plain.states[1].v, plain.states[2].conv))
+    quantized_window_bytes = sum(sum(getattr(s, f"{name}_{part}").numel() * getattr(s, f"{name}_{part}").element_size()
+                                     for part in ("codes", "scales")) for s, name in
+                                 [(both.states[0], "conv"), (both.states[1], "k"), (both.states[1], "v"),
+                                  (both.states[2], "conv")])
+    assert cache.nbytes() - both.nbytes() == window_bytes - quantized_window_bytes > 0
+    assert all(s.nbytes() == s.predicted_nbytes() for s in (mamba2, mamba3))
+
+
 def test_feedback_adds_each_writes_rounding_error_to_the_next_write():
     model = tiny_model(layer_pattern="SA")
     ids = random_ids(1, 8)
@@ -265,6 +287,8 @@ def test_state_bits_scope_by_layer_index_and_kind():
     (dict(state_bits="int8"), "state_bits='int8'"), (dict(state_bits=True), "state_bits=True"),
     (dict(state_rounding="nearest"), "state_rounding='nearest' needs state_bits"),
     (dict(state_bits=8, state_rounding="up"), "state_rounding='up'"),
+    (dict(state_windows=False), "state_windows=False needs state_bits"),
+    (dict(state_bits=8, state_windows=0), "state_windows=0 must be True or False"),
 ])
 def test_bad_state_settings_are_clear_errors(fields, match):
     with pytest.raises(ValueError, match=match):

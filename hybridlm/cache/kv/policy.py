@@ -54,7 +54,9 @@ class CachePolicy:
     * ``page_size``: tokens per page of a paged cache (rows share a pool; samples share their prompt's pages);
     * ``state_bits``: None (fp32 recurrent states), 8 (int8) or ``"fp8"`` (float8 e4m3), with per-head fp32 scales;
     * ``state_rounding``: ``"nearest"`` (the default with ``state_bits``), ``"stochastic"`` or ``"feedback"``;
-    * ``state_seed``: the seed of stochastic rounding.
+    * ``state_seed``: the seed of stochastic rounding;
+    * ``state_windows``: with ``state_bits``, whether the windows of recent inputs (conv windows, Mamba-3's
+      previous input) are quantized too (True, the default) or kept as they are (only what accumulates is).
     """
 
     kv_bits: int = 16
@@ -67,6 +69,7 @@ class CachePolicy:
     state_bits: int | str | None = None
     state_rounding: str | None = None
     state_seed: int = 0
+    state_windows: bool = True
 
     def __post_init__(self):
         def positive(name, value, allow_zero=False):
@@ -105,6 +108,11 @@ class CachePolicy:
             raise ValueError(f"CachePolicy.state_rounding={self.state_rounding!r} must be one of "
                              f"{', '.join(map(repr, ROUNDINGS))}")
         positive("state_seed", self.state_seed, allow_zero=True)
+        if not isinstance(self.state_windows, bool):
+            raise ValueError(f"CachePolicy.state_windows={self.state_windows!r} must be True or False")
+        if not self.state_windows and self.state_bits is None:
+            raise ValueError("CachePolicy.state_windows=False needs state_bits= (8 or \"fp8\"): unquantized states "
+                             "keep every field as it is")
         if self.state_bits == "fp8":
             fp8_dtype()
 
@@ -126,10 +134,11 @@ class CachePolicy:
             return state
         if self.state_bits == "fp8":
             fp8_dtype(next(iter(state._tensors().values())).device)
-        new = quantized(state, self.state_bits, self.state_rounding or "nearest", self.state_seed)
+        new = quantized(state, self.state_bits, self.state_rounding or "nearest", self.state_seed, self.state_windows)
         if new is None:
             _say_once(f"cache_policy: state_bits is not applied to {type(state).__name__} states ({where}), which "
-                      "stay in full precision (the class names no quantized_fields)")
+                      "stay in full precision (no field of theirs is quantized under this policy: "
+                      "RecurrentState.quantized_fields, state_windows)")
             return state
         return new
 
