@@ -38,24 +38,28 @@ def directory_of(name: str) -> Path:
 
 
 @torch.inference_mode()
-def quality(models: dict, ids: torch.Tensor, new_tokens: int) -> dict:
-    fp32, bf16 = (models[dtype](ids).logits.float().log_softmax(-1) for dtype in ("fp32", "bf16"))
-    kl = (fp32.exp() * (fp32 - bf16)).sum(-1).mean().item()
-    top1 = (fp32.argmax(-1) == bf16.argmax(-1)).float().mean().item()
+def quality(models: dict, ids: torch.Tensor, new_tokens: int, reference: str = "fp32", other: str = "bf16") -> dict:
+    """KL(reference || other) per held-out token, the share of equal next tokens, and how many leading greedy
+    tokens after the first 64 of ``ids`` the two models agree on."""
+    ref, out = (models[label](ids).logits.float().log_softmax(-1) for label in (reference, other))
+    kl = (ref.exp() * (ref - out)).sum(-1).mean().item()
+    top1 = (ref.argmax(-1) == out.argmax(-1)).float().mean().item()
     prompt = ids[:, :64]
     settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    a, b = (models[dtype].generate(prompt, **settings)[0, 64:] for dtype in ("fp32", "bf16"))
+    a, b = (models[label].generate(prompt, **settings)[0, 64:] for label in (reference, other))
     differ = (a != b).nonzero()
     return {"kl": kl, "top1": top1, "greedy_prefix": int(differ[0]) if len(differ) else new_tokens}
 
 
 @torch.inference_mode()
-def decode_times(models: dict, prompt: torch.Tensor, warmup: int, steps: int) -> dict:
+def decode_times(models: dict, prompt: torch.Tensor, warmup: int, steps: int, compiled: tuple[str, ...] = ()) -> dict:
+    """ms/token (min, median) of each model's decode step after ``prompt``, the models taking turns step by step;
+    the labels in ``compiled`` run a compiled step on a static cache."""
     runs = {}
     for label, model in models.items():
-        cache = model.new_cache(1, max_length=prompt.shape[1] + warmup + steps + 1)
+        cache = model.new_cache(1, max_length=prompt.shape[1] + warmup + steps + 1, static=label in compiled)
         token = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
-        runs[label] = [DecodeStep(model), cache, token, []]
+        runs[label] = [DecodeStep(model, compile=label in compiled), cache, token, []]
     for index in range(warmup + steps):
         for run in runs.values():
             step, cache, token, times = run

@@ -102,6 +102,8 @@ class Mixer(nn.Module):
       boolean config field that decides it instead;
     * ``grows_with_context``: its state holds something per token seen (a KV cache), not a fixed size;
     * ``max_positions_field`` (optional): the config field that bounds the positions it accepts;
+    * ``weights_read_directly``: the projections whose weight it reads itself, not through the module (which
+      quantized or adapted weights cannot serve there: :mod:`hybridlm.model.weight_quantization`);
 
     and may override the class method ``check_config(config)`` (raise :func:`invalid_config` naming the field
     for settings that do not fit together). ``is_causal`` and ``max_positions`` read the declarations; a kind
@@ -116,6 +118,7 @@ class Mixer(nn.Module):
     causal_field: ClassVar[str | None] = None
     grows_with_context: ClassVar[bool] = False
     max_positions_field: ClassVar[str | None] = None
+    weights_read_directly: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def is_causal(cls, config) -> bool:

@@ -46,6 +46,7 @@ class LatentAttention(Mixer):
     state_fields = ("mla_rope", "rope_theta")  # the rotary part is cached rotated
     causal = True
     grows_with_context = True
+    weights_read_directly = ("kv_b_proj",)  # the latent form absorbs it into the queries and outputs
 
     @classmethod
     def check_config(cls, config) -> None:

@@ -1,7 +1,8 @@
 """The model: blocks, the hybrid stack and the causal LM head as transformers classes (:mod:`~.modeling`), with
 what they are made of and checked by (:mod:`~.inputs`, :mod:`~.packing`, :mod:`~.shared_blocks`,
 :mod:`~.cache_construction`), their fit to transformers (:mod:`~.hf_compat`), whole checkpoints in and out in
-every format (:mod:`~.checkpoint_io`, :func:`load`) and the memory they need (:mod:`~.memory`).
+every format (:mod:`~.checkpoint_io`, :func:`load`), the memory they need (:mod:`~.memory`) and int8 weights
+for inference (:func:`quantize_weights`).
 
 May import the config, :mod:`hybridlm.formats`, the cache, the mixers, the layers and the ops; nothing here
 imports decoding, training or the command line.
@@ -16,6 +17,7 @@ from hybridlm.model.modeling import (
     HybridModelOutput,
     HybridPreTrainedModel,
 )
+from hybridlm.model.weight_quantization import quantize_weights
 
 __all__ = ["HybridBlock", "HybridCausalLMOutput", "HybridForCausalLM", "HybridModel", "HybridModelOutput",
-           "HybridPreTrainedModel", "load"]
+           "HybridPreTrainedModel", "load", "quantize_weights"]

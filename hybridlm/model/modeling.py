@@ -31,6 +31,7 @@ from hybridlm.model.inputs import (
     check_token_ids,
 )
 from hybridlm.model.packing import packed_documents
+from hybridlm.model.weight_quantization import QUANTIZED_WEIGHTS
 
 
 @dataclass
@@ -308,6 +309,9 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
     def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):
         """``format="hybridlm"`` (default) writes hybridlm's own checkpoint; another ``model_type`` (e.g.
         ``"jamba"``) writes a checkpoint that transformers loads as that architecture."""
+        if bits := getattr(self, QUANTIZED_WEIGHTS, None):
+            raise ValueError(f"save_pretrained: this model's linear weights are quantized to int{bits} for inference "
+                             "(quantize_weights); save the float model and quantize it after loading")
         if format == "hybridlm":
             from hybridlm.remote_code import write_remote_code
 

@@ -1,0 +1,97 @@
+"""Int8 weight-only linears (hybridlm.model.quantize_weights, through torchao).
+
+Oracles: the scheme written out in float64 (one scale per output row, absmax / 127.5; every weight within half a
+step of its float value); the quantized model against a float model holding the dequantized weights (a quantized
+linear is dequantize-then-matmul), which must differ from the original float model; the compiled decode step
+against eager decoding of the same quantized model."""
+
+import pytest
+import torch
+from torch import nn
+
+from hybridlm.decoding.incremental import IncrementalDecoder
+from hybridlm.model import quantize_weights
+from tests.helpers import assert_close_rel, random_ids, relative_error, tiny_model
+
+pytest.importorskip("torchao")
+
+#: every mixer kind but MLA (refused below), and an MLP on each layer
+PATTERN = "AMSRPLDKC"
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """torchao's int8 weight as the float tensor it stands for: codes times the row scales."""
+    return weight.qdata.float() * weight.scale.float().view(-1, 1)
+
+
+def float_twin(model, quantized) -> nn.Module:
+    """``model`` with each linear weight replaced by the dequantized weight of ``quantized``'s."""
+    twin = tiny_model(layer_pattern=PATTERN)
+    twin.load_state_dict(model.state_dict())
+    twin.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())  # untied, as quantizing does
+    modules = dict(quantized.named_modules())
+    with torch.no_grad():
+        for name, module in twin.named_modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(dequantized(modules[name].weight))
+    return twin
+
+
+def test_each_weight_is_within_half_a_step_of_its_float_value():
+    model = tiny_model(layer_pattern=PATTERN)
+    floats = {name: m.weight.detach().double().clone() for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    quantize_weights(model)
+    modules = dict(model.named_modules())
+    assert len(floats) > 20 and "lm_head" in floats
+    for name, weight in floats.items():
+        stored = modules[name].weight
+        assert stored.qdata.dtype == torch.int8, name
+        step = weight.abs().amax(1, keepdim=True) / 127.5  # float64, from the float weight alone
+        assert_close_rel(stored.scale.double().view(-1, 1), step, 1e-6)
+        # half a step, plus what the fp32 scale's own rounding (an ulp, 2**-23 of it) does to a code of up to 128
+        bound = step * (0.5 + 128 * 2.0**-23)
+        assert ((dequantized(stored).double() - weight).abs() <= bound).all(), name
+    assert model.get_input_embeddings().weight.dtype == torch.float32  # untied: the embedding keeps its float weight
+
+
+def test_a_quantized_model_computes_with_the_dequantized_weights():
+    model = tiny_model(layer_pattern=PATTERN)
+    ids = random_ids(2, 12)
+    with torch.no_grad():
+        reference = model(ids).logits
+        quantized = quantize_weights(tiny_model(layer_pattern=PATTERN))
+        twin = float_twin(model, quantized)
+        got, expected = quantized(ids).logits, twin(ids).logits
+    assert_close_rel(got, expected, 1e-5)
+    assert 1e-4 < relative_error(got, reference) < 5e-2  # rounded, by about the codes' step
+
+
+def test_compiled_decode_equals_eager_decode_of_the_quantized_model():
+    model = quantize_weights(tiny_model(layer_pattern="SRA"))
+    prompts = [[5, 6, 7, 8, 9], [3, 4, 9, 1, 2, 7]]
+    eager = IncrementalDecoder(model).generate(prompts, max_new_tokens=6)
+    compiled = IncrementalDecoder(model, compile=True).generate(prompts, max_new_tokens=6)
+    assert torch.equal(compiled, eager)
+
+
+def test_mla_is_refused_by_name_unless_its_absorbed_projection_is_kept_in_float():
+    model = tiny_model(layer_pattern="TA")
+    refusal = r"mla layers read.*model\.layers\.0\.mixer\.kv_b_proj.*exclude=\('kv_b_proj',\)"
+    with pytest.raises(ValueError, match=refusal):
+        quantize_weights(model)
+    quantize_weights(model, exclude=("kv_b_proj",))
+    mixer = model.model.layers[0].mixer
+    assert type(mixer.kv_b_proj.weight) is nn.Parameter and hasattr(mixer.q_proj.weight, "qdata")
+    with torch.no_grad():
+        assert torch.isfinite(model(random_ids(1, 6)).logits).all()
+
+
+def test_bad_use_is_a_clear_error(tmp_path):
+    model = quantize_weights(tiny_model(layer_pattern="SA"))
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_weights(model)
+    with pytest.raises(ValueError, match="save the float model"):
+        model.save_pretrained(tmp_path / "model")
+    assert not (tmp_path / "model").exists()
+    with pytest.raises(ValueError, match="bits=4"):
+        quantize_weights(tiny_model(layer_pattern="SA"), bits=4)
