@@ -14,7 +14,9 @@ name and dtype, which the mixer reads and updates as it would a plain state; the
 back when the forward is done (:meth:`keep_states`, :meth:`advance` or any read of the stored tensors) and the
 working tensor is dropped. So each forward computes from the dequantized state and writes its final state
 quantized; a one-token decode step quantizes after every token. A multi-token forward quantizes once, at its end:
-outputs depend on how a prefill is cut into forwards (``chunk_dependent``). Mixers never read the codes.
+outputs depend on how a prefill is cut into forwards (``chunk_dependent``), except that a verification block (2 to
+64 tokens on a warm state) reaches the state one token at a time (:meth:`QuantizedState.one_token_at_a_time`), as
+the decode steps it stands for. Mixers never read the codes.
 
 Rounding (``rounding``), of the fields that accumulate (``Quantizable.accumulates``):
 
@@ -195,6 +197,12 @@ class QuantizedState(RecurrentState):
     def advance(self, tokens: int) -> None:
         self._commit()
         super().advance(tokens)
+
+    def one_token_at_a_time(self, time: int) -> bool:
+        """A verification block (2 to ``AUTO_CHECKPOINT_TOKENS`` tokens on a warm state, what speculative decoding
+        sends): one-token forwards, so that each token reads the state as its decode step would, quantized after
+        the token before, and each kept checkpoint is what that step stores."""
+        return self.warm and 1 < time <= rollback.AUTO_CHECKPOINT_TOKENS
 
     def rewind(self, tokens: int) -> None:
         self._commit()

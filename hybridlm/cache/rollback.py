@@ -137,6 +137,20 @@ def paused(state):
         state.paused = False
 
 
+@contextlib.contextmanager
+def kept_per_token(state, time: int):
+    """One-token forwards inside keep the state after each (as one forward of ``time`` tokens would, in a history
+    of ``time + 1`` entries that the next forward replaces), unless the state already keeps checkpoints."""
+    if state.checkpoint_limit:
+        yield
+        return
+    state.checkpoint_limit, state.history = time, None
+    try:
+        yield
+    finally:
+        state.checkpoint_limit = 0  # the history stays: a crop right after may use it
+
+
 def keep_states(state, per_token: dict[str, torch.Tensor]) -> None:
     """Append the states after each token (``[batch, time, ...]`` per field) to ``state.history``, the last one
     taken from the state itself (so a one-token forward passes none: None or nothing)."""

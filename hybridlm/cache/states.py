@@ -110,6 +110,12 @@ class LayerState:
         """Called by :meth:`HybridCache.advance` after each forward, outside any compiled step: Python counters
         that the update itself must not touch move here."""
 
+    def one_token_at_a_time(self, time: int) -> bool:
+        """Whether a forward of ``time`` tokens must reach this state as ``time`` one-token forwards (which
+        :func:`hybridlm.mixers.segments.mix` then makes), because a multi-token one would compute otherwise than
+        the decode steps it stands for."""
+        return False
+
     # --- rollback (hybridlm.cache.rollback) -----------------------------------------------------------
 
     #: whether the kind can roll back at all (how far it can is :meth:`rewind_blocker`'s answer)

@@ -117,9 +117,16 @@ def _part(t: torch.Tensor | None, start: int, stop: int | None) -> torch.Tensor 
 
 def mix(mixer, x: torch.Tensor, state=None, *, mask=None, positions=None, segments: Segments | None = None):
     """``mixer(x, state, mask=..., positions=...)``; with packed ``segments``, each document as if alone: passed
-    on to a mixer that takes them, else one call per document."""
+    on to a mixer that takes them, else one call per document. A state that asks for it
+    (``one_token_at_a_time``) gets one call per token, each keeping its checkpoint."""
     if segments is None:
-        head = rollback.unkept_head(state, x.shape[1])
+        time = x.shape[1]
+        if state is not None and state.one_token_at_a_time(time):
+            with rollback.kept_per_token(state, time):
+                outputs = [mixer(x[:, t:t + 1], state, mask=_part(mask, t, t + 1), positions=_part(positions, t, t + 1))
+                           for t in range(time)]
+            return torch.cat(outputs, dim=1)
+        head = rollback.unkept_head(state, time)
         if head:  # rollback keeps the states of the last tokens only: run the others without computing theirs
             with rollback.paused(state):
                 first = mixer(x[:, :head], state, mask=_part(mask, 0, head), positions=_part(positions, 0, head))

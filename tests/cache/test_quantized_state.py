@@ -204,6 +204,34 @@ def test_crop_equals_never_having_run_the_removed_tokens(policy, block, keep, pa
         assert_close_rel(model(ids[:, -2:], cache=cache).logits, model(ids[:, -2:], cache=other).logits, 1e-4)
 
 
+@pytest.mark.parametrize("policy", [POLICIES[1], POLICIES[5]], ids=str)
+def test_a_verification_block_reads_and_keeps_the_states_its_decode_steps_would(policy):
+    """A block of 2 to 64 tokens on a warm cache (speculative verification) reaches each quantized state one token
+    at a time: its logits are the decode steps', its checkpoints what each step stores, up to the float rounding
+    of the block's batched projections (1e-7 here; read as one forward, the block's states would differ from the
+    steps' by the rounding itself, 1.6e-2, and its logits by 5e-3)."""
+    model = tiny_model(layer_pattern="SMRPLCA")
+    ids = random_ids(2, 11)
+    _, block_cache = run(model, ids[:, :6], policy)
+    _, step_cache = run(model, ids[:, :6], policy)
+    with torch.no_grad():
+        block = model(ids[:, 6:10], cache=block_cache).logits
+        steps = [model(ids[:, t:t + 1], cache=step_cache).logits for t in range(6, 10)]
+    assert_close_rel(block, torch.cat(steps, 1), 1e-5)
+    assert_same_states(block_cache, step_cache)
+    _, two_steps = run(model, ids[:, :8], policy)  # the same prefill, then one-token steps
+    block_cache.crop(8)  # back to the checkpoint after the block's second token
+    assert_same_states(block_cache, two_steps)
+
+
+def assert_same_states(cache, expected) -> None:
+    for state, other in zip(cache.states, expected.states):
+        if isinstance(state, QuantizedState):
+            assert state.steps == other.steps
+            for name in type(state).quantized_fields:
+                assert_close_rel(held(state, name), held(other, name), 1e-5)
+
+
 @pytest.mark.parametrize("policy", [POLICIES[0], POLICIES[4]], ids=str)
 def test_greedy_speculative_decoding_equals_greedy_under_the_same_policy(policy):
     target = tiny_model(0, layer_types=["mamba2", "attention", "mamba", "mamba3", "performer", "short_conv"])
