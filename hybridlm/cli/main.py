@@ -15,6 +15,7 @@ errors answer without importing torch or transformers. To add one::
 from __future__ import annotations
 
 import argparse
+import logging
 
 from hybridlm.cli import inspection  # noqa: F401  (registers demo, info, build-kernels, bench, memory: listed first)
 from hybridlm.cli.common import COMMANDS, KV_BITS, command, print_stream
@@ -71,7 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    quiet_optional_imports()
     run_reporting_bad_input(f"hybridlm {args.command}", args.run, args)
+
+
+def quiet_optional_imports() -> None:
+    """torchao (which transformers imports whenever it is installed: hybridlm's int8 extra) logs the CUDA
+    libraries it cannot load on a CPU machine, and torch notes the enums it registers: noise on every command."""
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 # --- commands --------------------------------------------------------------------------------------
