@@ -72,8 +72,10 @@ def decode_times(models: dict, prompt: torch.Tensor, warmup: int, steps: int, co
     return {label: (min(run[3]), statistics.median(run[3])) for label, run in runs.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(description: str) -> argparse.Namespace:
+    """The options this benchmark and ``int8_cpu.py`` share: models, held-out tokens, greedy tokens, context,
+    warm-up and timed steps, threads."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--models", nargs="+", default=["hybrid", "smollm2"])
     parser.add_argument("--tokens", type=int, default=512, help="held-out tokens for the KL and top-1 agreement")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -81,7 +83,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__.split("\n\n")[0])
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, context {args.context}, "
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)

@@ -17,7 +17,6 @@ fetch`` has run) it loads the fp32 model twice and quantizes one copy, then
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 from pathlib import Path
@@ -30,7 +29,7 @@ import hybridlm  # noqa: E402
 from hybridlm.model import quantize_weights  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bf16_cpu import decode_times, directory_of, quality  # noqa: E402
+from bf16_cpu import decode_times, directory_of, parse_args, quality  # noqa: E402
 from real_model import held_out_code  # noqa: E402
 
 
@@ -45,15 +44,7 @@ def linear_bytes(model: nn.Module) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["hybrid", "smollm2"])
-    parser.add_argument("--tokens", type=int, default=512, help="held-out tokens for the KL and top-1 agreement")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--warmup", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parse_args(__doc__.split("\n\n")[0])
     warnings.filterwarnings("ignore", module="torch")  # torchao's notes on tensor subclasses under compile
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, context {args.context}, "
