@@ -148,9 +148,11 @@ class VllmEngine:
         worker = Path(__file__).with_name("vllm_worker.py")
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else "0-1",
                    VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads))
-        self.process = subprocess.Popen([str(VLLM_PYTHON), str(worker), str(directory), dtype, str(max_length),
-                                         str(batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                        text=True)
+        self.log = PEERS_DIR / "vllm-worker.log"  # vLLM's own output, which is long
+        with open(self.log, "w") as log:
+            self.process = subprocess.Popen([str(VLLM_PYTHON), str(worker), str(directory), dtype, str(max_length),
+                                             str(batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=log, env=env, text=True)
         self._ask({"op": "ready"})
 
     def _ask(self, request: dict) -> dict:
@@ -158,7 +160,7 @@ class VllmEngine:
         self.process.stdin.flush()
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"vllm_worker.py exited (code {self.process.wait()}); its stderr is above")
+            raise RuntimeError(f"vllm_worker.py exited (code {self.process.wait()}); its output is in {self.log}")
         return json.loads(line)
 
     def greedy(self, rows: list[list[int]], new_tokens: int) -> list[list[int]]:

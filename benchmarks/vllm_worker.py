@@ -7,16 +7,20 @@ directory and answers JSON lines on stdin, one per line on stdout:
 
     vllm-venv/bin/python benchmarks/vllm_worker.py DIRECTORY fp32|bf16 MAX_LENGTH BATCH
 
-Prefix caching is off, so a repeated prompt is computed again each time.
+Prefix caching is off, so a repeated prompt is computed again each time. Only the answers go to stdout (vLLM's
+own output is sent to stderr).
 """
 
 import json
+import os
 import sys
 import time
 
 
 def main() -> None:
     directory, dtype, max_length, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    answers = os.fdopen(os.dup(1), "w")  # the answers keep stdout; vLLM's own prints go to stderr
+    os.dup2(2, 1)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -38,7 +42,7 @@ def main() -> None:
             start = time.perf_counter()
             generate(request["rows"], request["new_tokens"])
             answer = {"seconds": time.perf_counter() - start}
-        print(json.dumps(answer), flush=True)
+        print(json.dumps(answer), file=answers, flush=True)
 
 
 if __name__ == "__main__":
