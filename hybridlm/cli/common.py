@@ -44,9 +44,9 @@ def command(name: str, help: str, *options: Option):
 
 
 def print_stream(model, tokenizer, prompt_ids: list[int], stops: list[int], settings: dict, chunk: int = 512,
-                 policy=None, compile: bool = False) -> None:
+                 policy=None, compile: bool | str = False) -> None:
     """Print the continuation of ``prompt_ids`` as it is generated (text with a tokenizer, else token ids),
-    stopping at a stop token; ``compile``: through a compiled decode step."""
+    stopping at a stop token; ``compile``: through a compiled decode step (a string: its torch.compile mode)."""
     from hybridlm.decoding.incremental import IncrementalDecoder
 
     generated, shown = [], ""

@@ -115,9 +115,10 @@ def quiet_optional_imports() -> None:
     option("--page-size", type=positive_int,
            help="paged KV cache: keys and values in pages of PAGE_SIZE tokens; default: one contiguous buffer "
                 "per layer"),
-    option("--compile", action="store_true", help="decode with a static cache and a step compiled by "
-                                                  "torch.compile (faster per token; the first token waits for the "
-                                                  "compile, 10-60 s on a CPU)"),
+    option("--compile", nargs="?", const=True, default=False, metavar="MODE",
+           help="decode with a static cache and a step compiled by torch.compile (faster per token; the first "
+                "token waits for the compile, 10-60 s on a CPU); MODE: a torch.compile mode, e.g. "
+                "max-autotune-no-cudagraphs (faster steps on a CPU, a compile several times as long)"),
 )
 def run_generate(args) -> None:
     if args.prompt is None and not args.ids:

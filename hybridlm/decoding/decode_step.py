@@ -39,7 +39,10 @@ class DecodeStep:
 
     ``compile=True`` runs :func:`decode_logits` through ``torch.compile`` (``fullgraph=True``: a graph break is
     an error, not a silent slowdown) with ``mode`` (default: ``"reduce-overhead"``, i.e. CUDA graphs, on CUDA;
-    inductor's default on CPU) and ``backend`` (``torch.compile``'s). A compiled step needs a static cache:
+    inductor's default on CPU) and ``backend`` (``torch.compile``'s). On a CPU, ``"max-autotune-no-cudagraphs"``
+    times inductor's C++ matmul templates against the library kernels for each weight shape and keeps the faster:
+    at batch 1 its kernels win (one small matrix per step), about halving a small model's step, for a compile
+    several times as long (docs/performance.md). A compiled step needs a static cache:
     with a growing one every step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels
     (compiled code cannot read a ``use_backend`` block, so it refuses to run inside one).
 
@@ -58,6 +61,11 @@ class DecodeStep:
     """
 
     def __init__(self, model, compile: bool = False, mode: str | None = None, backend: str = "inductor"):
+        if mode is not None and not compile:
+            raise ValueError(f"mode={mode!r} is a torch.compile mode: it needs compile=True")
+        if mode is not None and mode not in torch._inductor.list_mode_options():
+            raise ValueError(f"mode={mode!r} is not a torch.compile mode; known: "
+                             f"{', '.join(torch._inductor.list_mode_options())}")
         self.model, self.compiled = model, compile
         self._logits = decode_logits
         if compile:

@@ -48,12 +48,13 @@ class IncrementalDecoder:
     """Generates from a :class:`~hybridlm.HybridForCausalLM` with chunked prefill and cached decode."""
 
     def __init__(self, model, prefill_chunk_size: int = 512, cache_policy=None, prefix_cache=None, speculative=None,
-                 compile: bool = False, stop_check_interval: int = 1):
+                 compile: bool | str = False, stop_check_interval: int = 1):
         """``cache_policy``: a :class:`~hybridlm.CachePolicy` for the caches this decoder makes; ``prefix_cache``: a
         :class:`~hybridlm.PrefixCache` that prompts are restored from and snapshotted into; ``speculative``: a
         :class:`~hybridlm.SpeculativeDecoding` (draft model or prompt lookup, :mod:`hybridlm.decoding.speculative`).
         ``compile``: decode with a static cache and a step compiled by ``torch.compile``
-        (:mod:`hybridlm.decoding.decode_step`).
+        (:mod:`hybridlm.decoding.decode_step`); a string is the compile mode (``"max-autotune-no-cudagraphs"``:
+        on a CPU, inductor's own small-batch matmul kernels, faster steps for a longer compile).
         ``stop_check_interval``: with stop tokens, read back every this many steps whether rows have finished (1:
         every step, ending the stream at once; N: one host sync per N steps, but up to N - 1 all-padding steps
         may follow the last stop)."""
@@ -61,7 +62,8 @@ class IncrementalDecoder:
             raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be >= 1")
         if stop_check_interval < 1:
             raise ValueError(f"stop_check_interval={stop_check_interval} must be >= 1")
-        self.decode_step = DecodeStep(model, compile=compile)
+        mode = compile if isinstance(compile, str) else None
+        self.decode_step = DecodeStep(model, compile=bool(compile), mode=mode)
         self.stop_check_interval = stop_check_interval
         self.model = model
         self.prefill_chunk_size = prefill_chunk_size

@@ -186,6 +186,32 @@ def test_compiled_decoder_equals_eager():
                        IncrementalDecoder(model).generate(prompts, max_new_tokens=5))
 
 
+def test_a_compile_mode_needs_compile_and_a_known_name():
+    model = tiny_model(layer_pattern="AS")
+    with pytest.raises(ValueError, match="needs compile=True"):
+        DecodeStep(model, mode="max-autotune-no-cudagraphs")
+    with pytest.raises(ValueError, match="'fastest' is not a torch.compile mode"):
+        DecodeStep(model, compile=True, mode="fastest")
+    with pytest.raises(ValueError, match="'fastest' is not a torch.compile mode"):
+        IncrementalDecoder(model, compile="fastest")
+
+
+@pytest.mark.slow  # inductor times its C++ matmul templates for each weight shape: about a minute
+@torch.no_grad()
+def test_a_max_autotune_step_equals_eager():
+    model = tiny_model(layer_pattern="AS", mlp_types=["dense", "none"])
+    prompts = [[5, 6, 7, 8], [3, 4]]
+    eager = IncrementalDecoder(model).generate(prompts, max_new_tokens=5)
+    compiled = IncrementalDecoder(model, compile="max-autotune-no-cudagraphs")
+    assert compiled.decode_step._mode == "max-autotune-no-cudagraphs"
+    assert torch.equal(compiled.generate(prompts, max_new_tokens=5), eager)
+    ids = random_ids(2, 8)
+    cache = model.new_cache(2, max_length=256, static=True)
+    model(ids[:, :6], cache=cache)
+    expected = decode_logits(model, ids[:, 6:7], cache.snapshot())
+    assert_close_rel(compiled.decode_step(ids[:, 6].contiguous(), cache), expected, rel=1e-5)
+
+
 def test_the_structure_watch_counts_assignments_to_the_models_own_modules_only():
     import gc
 
