@@ -197,10 +197,10 @@ def close(engines: dict) -> None:
             engine.close()
 
 
-def line(times: dict, unit: str, scale=lambda v: v) -> str:
+def line(times: dict, unit: str) -> str:
     """``label min / median`` for each engine, then each other engine's median over hybridlm compiled's."""
     base = times["hybridlm"][1]
-    parts = [f"{label} {scale(t[0]):.2f} / {scale(t[1]):.2f}" for label, t in times.items()]
+    parts = [f"{label} {t[0]:.2f} / {t[1]:.2f}" for label, t in times.items()]
     ratios = [f"{label} x{t[1] / base:.2f}" for label, t in times.items() if label != "hybridlm"]
     return f"{unit} min / median: " + ", ".join(parts) + "; median / hybridlm: " + ", ".join(ratios)
 
