@@ -118,7 +118,8 @@ def quiet_optional_imports() -> None:
     option("--compile", nargs="?", const=True, default=False, metavar="MODE",
            help="decode with a static cache and a step compiled by torch.compile (faster per token; the first "
                 "token waits for the compile, 10-60 s on a CPU); MODE: a torch.compile mode, e.g. "
-                "max-autotune-no-cudagraphs (faster steps on a CPU, a compile several times as long)"),
+                "max-autotune-no-cudagraphs (faster steps on a CPU, a compile several times as long); default: "
+                "inductor's default mode; without it: eager decoding"),
 )
 def run_generate(args) -> None:
     if args.prompt is None and not args.ids:
