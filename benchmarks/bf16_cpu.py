@@ -10,9 +10,10 @@ run) it loads the fp32 model and the same checkpoint with ``dtype=torch.bfloat16
   tokens the two agree on;
 * decode ms/token after a ``--context``-token prefill, eager :class:`~hybridlm.decoding.decode_step.DecodeStep`,
   the two dtypes taking turns step by step (so machine load affects both alike), min and median, and the ratio
-  fp32 / bf16 (> 1: bf16 is faster).
+  fp32 / bf16 (> 1: bf16 is faster); with ``--compiled``, the compiled steps of both dtypes (static caches) too,
+  all four taking turns.
 
-    python benchmarks/bf16_cpu.py [--models hybrid smollm2] [--threads 1] [--context 256]
+    python benchmarks/bf16_cpu.py [--models hybrid smollm2] [--threads 1] [--context 256] [--compiled]
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compiled", action="store_true", help="also time each dtype's compiled step")
     return parser.parse_args()
 
 
@@ -100,11 +102,17 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         ids = torch.tensor([held_out_code(tokenizer, max(args.tokens, args.context))])
         q = quality(models, ids[:, :args.tokens], args.new_tokens)
-        t = decode_times(models, ids[:, :args.context], args.warmup, args.steps)
+        timed = dict(models)
+        if args.compiled:
+            timed |= {f"{label} compiled": model for label, model in models.items()}
+        t = decode_times(timed, ids[:, :args.context], args.warmup, args.steps,
+                         compiled=("fp32 compiled", "bf16 compiled"))
+        speeds = ", ".join(f"{label} {low:.2f} / {median:.2f}" for label, (low, median) in t.items())
+        ratios = ", ".join(f"{kind.strip() or 'eager'} x{t[f'fp32{kind}'][1] / t[f'bf16{kind}'][1]:.2f}"
+                           for kind in ("", " compiled") if f"fp32{kind}" in t)
         print(f"{name}: KL(fp32 || bf16) {q['kl']:.2e} nats/token over {args.tokens} held-out tokens, same next "
               f"token {100 * q['top1']:.1f}%, greedy {q['greedy_prefix']}/{args.new_tokens} tokens identical; "
-              f"decode ms/token min / median: fp32 {t['fp32'][0]:.2f} / {t['fp32'][1]:.2f}, bf16 {t['bf16'][0]:.2f} / "
-              f"{t['bf16'][1]:.2f}; fp32 / bf16 (median) x{t['fp32'][1] / t['bf16'][1]:.2f}", flush=True)
+              f"decode ms/token min / median: {speeds}; fp32 / bf16 (median): {ratios}", flush=True)
 
 
 if __name__ == "__main__":

