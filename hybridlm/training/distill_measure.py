@@ -11,7 +11,7 @@ RoPE was trained to): that limit is lifted for the timing, which does not depend
 
 ``recall``: two in-context recall probes, greedy, teacher and student on the same prompts:
 
-* passkey retrieval, the prompt of ``benchmarks/real_model_remedies.py`` (an instruction, filler sentences, "The
+* passkey retrieval, the prompt of ``benchmarks/remedies/passkey.py`` (an instruction, filler sentences, "The
   pass key is N. Remember it. N is the pass key." at depths 0.1 / 0.5 / 0.9, then "What is the pass key? The pass
   key is"): correct when the first number generated is N;
 * key-value recall in the manner of MQAR: ``pairs`` lines ``key: value`` (random lower-case words of 4 letters,
