@@ -25,6 +25,10 @@ from hybridlm.cache.states import layout_of
 from hybridlm.model.modeling import check_float16_range
 from hybridlm.ops.backends import in_use_backend_block
 
+#: inductor settings of a CPU step compiled in the default mode: every matrix product through inductor's C++ GEMM
+#: template (specialised to the frozen weight's shape), none through MKL, and nothing timed at compile time
+CPU_GEMM_TEMPLATES = {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}
+
 
 def decode_logits(model, ids: torch.Tensor, cache: HybridCache) -> torch.Tensor:
     """``logits [batch, vocab]`` of token ids ``[batch, 1]`` continuing ``cache`` (a HybridForCausalLM's);
@@ -38,11 +42,15 @@ class DecodeStep:
     """``step(tokens [batch], cache) -> logits [batch, vocab]``, advancing the cache by one slot.
 
     ``compile=True`` runs :func:`decode_logits` through ``torch.compile`` (``fullgraph=True``: a graph break is
-    an error, not a silent slowdown) with ``mode`` (default: ``"reduce-overhead"``, i.e. CUDA graphs, on CUDA;
-    inductor's default on CPU) and ``backend`` (``torch.compile``'s). On a CPU, ``"max-autotune-no-cudagraphs"``
-    times inductor's C++ matmul templates against the library kernels for each weight shape and keeps the faster:
-    at batch 1 its kernels win (one small matrix per step), about halving a small model's step, for a compile
-    several times as long (docs/performance.md). A compiled step needs a static cache:
+    an error, not a silent slowdown) with ``mode`` and ``backend`` (``torch.compile``'s). The default mode is
+    ``"reduce-overhead"`` (CUDA graphs) on CUDA. On a CPU it is inductor's default with its C++ matmul templates
+    in place of the BLAS calls (:data:`CPU_GEMM_TEMPLATES`): a decode step multiplies a few rows by each frozen
+    weight, where the templates are 1.7-1.8x faster than MKL on a small model or SmolLM2-135M at batch 1 and
+    even at batch 16, for a compile about 1.5x as long (docs/performance.md). Where a template cannot take a
+    product (weights that are graph inputs, e.g. inference tensors) the compile fails at that product; the step
+    then compiles once more without templates (``gemm_templates`` turns False). ``mode="default"`` never uses
+    them; ``"max-autotune-no-cudagraphs"`` times templates against MKL for each shape and keeps the faster, for a
+    compile about twice as long again. A compiled step needs a static cache:
     with a growing one every step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels
     (compiled code cannot read a ``use_backend`` block, so it refuses to run inside one).
 
@@ -73,6 +81,7 @@ class DecodeStep:
             self._backend = backend
             self._mode = mode or ("reduce-overhead" if device.type == "cuda" else "default")
             self._cpp_wrapper = device.type == "cpu"
+            self.gemm_templates = device.type == "cpu" and mode is None
             self._recompile()
 
     def _recompile(self) -> None:
@@ -83,13 +92,19 @@ class DecodeStep:
         # could not be seen: they stay inputs of the graph, read at every step, and nothing is watched
         freeze = not any(weight.is_inference() for weight in weights)
         self._weights = weights if freeze else []
-        self._inductor_settings = {"freezing": freeze, "cpp_wrapper": self._cpp_wrapper}
+        self._inductor_settings = {"freezing": freeze, "cpp_wrapper": self._cpp_wrapper,
+                                   **(CPU_GEMM_TEMPLATES if self.gemm_templates else {})}
         private = types.FunctionType(decode_logits.__code__.replace(), decode_logits.__globals__, "decode_logits")
         self._logits = torch.compile(private, fullgraph=True, dynamic=False, backend=self._backend,
                                      mode=self._mode if self._backend == "inductor" else None)
         self._compiled_weights = self._weights_state()
         self._structure = StructureWatch(self.model)
         self._trusted: set[tuple] = set()  # layouts whose guards held on a step that compiled nothing
+
+    def _compile_and_run(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        # inductor reads these where torch.compile's ``options`` do not reach (its freezing pass); the patch does
+        with torch._inductor.config.patch(self._inductor_settings):
+            return self._logits(self.model, tokens[:, None], cache)
 
     def _weights_state(self) -> list[tuple[int, int]]:
         return [(weight._version, weight.data_ptr()) for weight in self._weights]
@@ -125,12 +140,29 @@ class DecodeStep:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self._logits(self.model, tokens[:, None], cache)
         graphs = counters["stats"]["unique_graphs"]
-        # inductor reads these where torch.compile's ``options`` do not reach (its freezing pass); the patch does
-        with torch._inductor.config.patch(self._inductor_settings):
-            logits = self._logits(self.model, tokens[:, None], cache)
+        try:
+            logits = self._compile_and_run(tokens, cache)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            if not (self.gemm_templates and _no_gemm_choice(error)):
+                raise
+            self.gemm_templates = False  # a product no template takes: compile without them
+            self._recompile()
+            logits = self._compile_and_run(tokens, cache)
         if counters["stats"]["unique_graphs"] == graphs:  # guarded, and no new graph: an earlier step's held
             self._trusted.add(layout)
         return logits
+
+
+def _no_gemm_choice(error: BaseException) -> bool:
+    """Whether inductor failed for want of a kernel choice for a product (its ``NoValidChoicesError``), anywhere in
+    ``error``'s chain of causes."""
+    from torch._inductor.select_algorithm import NoValidChoicesError
+
+    while error is not None:
+        if isinstance(error, NoValidChoicesError):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 class StructureWatch:

@@ -186,6 +186,26 @@ def test_compiled_decoder_equals_eager():
                        IncrementalDecoder(model).generate(prompts, max_new_tokens=5))
 
 
+@torch.no_grad()
+def test_a_cpu_step_multiplies_through_gemm_templates_or_falls_back_without_them():
+    """The default CPU compile runs the products through inductor's C++ GEMM templates and decodes what eager
+    decoding does; weights that are inference tensors (graph inputs, not frozen constants: no template takes
+    them) fail that compile, and the step compiles again without templates, decoding the same tokens."""
+    prompts = [[5, 6, 7, 8], [3, 4]]
+    model = tiny_model(layer_pattern="AS", mlp_types=["dense", "none"])
+    eager = IncrementalDecoder(model).generate(prompts, max_new_tokens=4)
+    compiled = IncrementalDecoder(model, compile=True)
+    assert torch.equal(compiled.generate(prompts, max_new_tokens=4), eager)
+    assert compiled.decode_step.gemm_templates
+    with torch.inference_mode():
+        frozen_out = tiny_model(layer_pattern="AS", mlp_types=["dense", "none"])
+        decoder = IncrementalDecoder(frozen_out, compile=True)
+        assert torch.equal(decoder.generate(prompts, max_new_tokens=4),
+                           IncrementalDecoder(frozen_out).generate(prompts, max_new_tokens=4))
+    assert not decoder.decode_step.gemm_templates
+    assert not IncrementalDecoder(model, compile="default").decode_step.gemm_templates
+
+
 def test_a_compile_mode_needs_compile_and_a_known_name():
     model = tiny_model(layer_pattern="AS")
     with pytest.raises(ValueError, match="needs compile=True"):
