@@ -117,9 +117,10 @@ def quiet_optional_imports() -> None:
                 "per layer"),
     option("--compile", nargs="?", const=True, default=False, metavar="MODE",
            help="decode with a static cache and a step compiled by torch.compile (faster per token; the first "
-                "token waits for the compile, 10-60 s on a CPU); MODE: a torch.compile mode, e.g. "
-                "max-autotune-no-cudagraphs (faster steps on a CPU, a compile several times as long); default: "
-                "inductor's default mode; without it: eager decoding"),
+                "token waits for the compile, 10-60 s on a CPU); MODE: a torch.compile mode, e.g. default "
+                "(MKL's matmuls on a CPU) or max-autotune-no-cudagraphs (times MKL against inductor's C++ GEMM "
+                "templates, a compile about twice as long); default: inductor's default mode with the C++ GEMM "
+                "templates on a CPU; without it: eager decoding"),
 )
 def run_generate(args) -> None:
     if args.prompt is None and not args.ids:
