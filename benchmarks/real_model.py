@@ -90,6 +90,11 @@ def write_hf_directory(gguf: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     scratch = staged_directory(out)
+    # the weights saved are the dequantized fp32 ones, under the class that read them: say so, as a public
+    # checkpoint does (llama.cpp's converter and vLLM pick the architecture from ``architectures``)
+    model.config.architectures = [type(model).__name__]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.config.save_pretrained(scratch)
     model.generation_config.save_pretrained(scratch)
     state = {name: t.contiguous() for name, t in model.state_dict().items() if name != "lm_head.weight"}
