@@ -59,9 +59,23 @@ class LayerState:
         """What a compiled decode step specialises on in this state
         (:class:`~hybridlm.decoding.decode_step.DecodeStep`): each
         tensor field's shape, strides, dtype and device, each plain field's value except :attr:`step_counters`,
-        the type of anything else."""
-        return (type(self), *(layout_of(getattr(self, field.name)) for field in dataclasses.fields(self)
-                              if field.name not in self.step_counters))
+        the type of anything else.
+
+        A decode step asks for it every token, so it is kept until a field is assigned (:meth:`__setattr__`),
+        unless a field holds a dict or list (which changes without an assignment). In-place changes to a state
+        tensor's shape or strides (``resize_``, ``set_``, ``transpose_``) would go unseen: no state makes them."""
+        layout = self.__dict__.get("_compile_layout")
+        if layout is None:
+            values = [getattr(self, field.name) for field in dataclasses.fields(self)
+                      if field.name not in self.step_counters]
+            layout = (type(self), *map(layout_of, values))
+            if not any(isinstance(value, (dict, list)) for value in values):
+                object.__setattr__(self, "_compile_layout", layout)
+        return layout
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        self.__dict__.pop("_compile_layout", None)  # what it described may have changed
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.modules.module as module_hooks
@@ -62,9 +63,11 @@ class DecodeStep:
       version counter and storage (~30 us) and recompiles when one changed (an in-place update, a reload,
       ``model.to(dtype)``) or when a submodule, parameter or buffer was assigned anew (:class:`StructureWatch`);
     * once a step of a layout (token batch, cache signature, capacity and policy, state kinds, grad mode) has run
-      through dynamo's guards without compiling, the layout's later steps skip them
-      (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): the guards held for a step like them, and
-      what they check is what the layout names. Not noticed: a change to a plain attribute the model's forward
+      through dynamo's guards without compiling, the layout's later steps skip dynamo altogether: they call the
+      code dynamo made for the cache entry whose guards held (:func:`guarded_code`), which reads the cache's
+      tensors and runs the compiled graph, as a guard hit would. The guards held for a step like them, and what
+      they check is what the layout names. This saves 0.15-0.3 ms a step on CPU (dynamo's entry and exit, the
+      stance), a fifth of a small model's step. Not noticed: a change to a plain attribute the model's forward
       reads (``module.some_flag = ...``): build a new step.
     """
 
@@ -99,7 +102,9 @@ class DecodeStep:
                                      mode=self._mode if self._backend == "inductor" else None)
         self._compiled_weights = self._weights_state()
         self._structure = StructureWatch(self.model)
-        self._trusted: set[tuple] = set()  # layouts whose guards held on a step that compiled nothing
+        self._private = private
+        # layouts whose guards held on a step that compiled nothing: the code that step ran
+        self._direct: dict[tuple, Callable] = {}
 
     def _compile_and_run(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         # inductor reads these where torch.compile's ``options`` do not reach (its freezing pass); the patch does
@@ -136,9 +141,9 @@ class DecodeStep:
         if self._structure.changes or self._weights_state() != self._compiled_weights:
             self._recompile()
         layout = self._layout(tokens, cache)
-        if layout in self._trusted:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._logits(self.model, tokens[:, None], cache)
+        direct = self._direct.get(layout)
+        if direct is not None:
+            return direct(self.model, tokens[:, None], cache)
         graphs = counters["stats"]["unique_graphs"]
         try:
             logits = self._compile_and_run(tokens, cache)
@@ -149,8 +154,31 @@ class DecodeStep:
             self._recompile()
             logits = self._compile_and_run(tokens, cache)
         if counters["stats"]["unique_graphs"] == graphs:  # guarded, and no new graph: an earlier step's held
-            self._trusted.add(layout)
+            self._direct[layout] = guarded_code(self._private, self._logits, self.model, tokens[:, None], cache)
         return logits
+
+
+def guarded_code(function: types.FunctionType, compiled: Callable, *args) -> Callable:
+    """What dynamo runs for ``compiled(*args)`` (``compiled`` is ``torch.compile(function)``) once its guards
+    held: the code of ``function``'s first cache entry whose guards pass on ``args``, as a function (dynamo puts
+    the compiled graphs it calls in ``function``'s globals). Where this torch keeps its cache entries otherwise,
+    ``compiled`` run without guard checks (``skip_guard_eval_unsafe``), which comes to the same."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        local_names = function.__code__.co_varnames[:function.__code__.co_argcount]
+        arguments = dict(zip(local_names, args))
+        for entry in _debug_get_cache_entry_list(function.__code__):
+            if entry.guard_manager.check(arguments):
+                return types.FunctionType(entry.code, function.__globals__, function.__name__)
+    except (ImportError, AttributeError):
+        pass
+
+    def unguarded(*args):
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return compiled(*args)
+
+    return unguarded
 
 
 def _no_gemm_choice(error: BaseException) -> bool:

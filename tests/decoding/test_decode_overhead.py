@@ -251,10 +251,11 @@ def test_the_structure_watch_counts_assignments_to_the_models_own_modules_only()
     assert len(torch.nn.modules.module._global_module_registration_hooks) == hooks - 1
 
 
-def test_a_compiled_step_trusts_a_layout_only_after_a_guarded_step_compiled_nothing():
-    """Guards are skipped only for layouts (tokens, cache tensors' shapes and strides, plain state fields, grad
-    mode) whose guards held on a step that compiled no new graph; anything else runs guarded (and compiles if
-    it must). The eager backend keeps this fast: what is tested is the bookkeeping, not inductor."""
+def test_a_compiled_step_skips_dynamo_for_a_layout_only_after_a_guarded_step_compiled_nothing():
+    """Dynamo and its guards are skipped only for layouts (tokens, cache tensors' shapes and strides, plain state
+    fields, grad mode) whose guards held on a step that compiled no new graph; anything else runs guarded (and
+    compiles if it must). The eager backend keeps this fast: what is tested is the bookkeeping, not inductor."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
     model = tiny_model(layer_pattern="SA", mlp_types=["none", "none"])
@@ -266,7 +267,7 @@ def test_a_compiled_step_trusts_a_layout_only_after_a_guarded_step_compiled_noth
         model(ids[:, :4], cache=cache)
         reference = cache.snapshot()
         for t in range(4, 9):
-            trusted, graphs = step._layout(ids[:, t], cache) in step._trusted, counters["stats"]["unique_graphs"]
+            trusted, graphs = step._layout(ids[:, t], cache) in step._direct, counters["stats"]["unique_graphs"]
             logits = step(ids[:, t], cache)
             history.append((trusted, counters["stats"]["unique_graphs"] - graphs))
             assert_close_rel(logits, decode_logits(model, ids[:, t:t + 1], reference), rel=1e-6)
@@ -274,10 +275,13 @@ def test_a_compiled_step_trusts_a_layout_only_after_a_guarded_step_compiled_noth
         assert history[0] == (False, 1) and history[-1] == (True, 0)
         assert all(not trusted for (trusted, _), (_, compiled) in zip(history[1:], history) if compiled)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert step._layout(ids[:, 9], cache) not in step._trusted
-        assert step._layout(ids[:, 9], cache) in step._trusted
+            assert step._layout(ids[:, 9], cache) not in step._direct
+        assert step._layout(ids[:, 9], cache) in step._direct
+        # a trusted layout runs the code dynamo made for it, without dynamo (this torch keeps its cache entries)
+        entries = _debug_get_cache_entry_list(step._private.__code__)
+        assert step._direct[step._layout(ids[:, 9], cache)].__code__ in [entry.code for entry in entries]
         one_row, rows = cache.select(torch.tensor([1])), reference.select(torch.tensor([1]))
-        assert step._layout(ids[1:, 9], one_row) not in step._trusted
+        assert step._layout(ids[1:, 9], one_row) not in step._direct
         assert_close_rel(step(ids[1:, 9], one_row), decode_logits(model, ids[1:, 9:10], rows), rel=1e-6)
 
 
@@ -307,6 +311,22 @@ def test_compile_layouts_tell_apart_what_the_step_reads():
     assert ssm.compile_layout() != before[0]
     ssm.checkpoint_limit, ssm.conv = 0, ssm.conv.transpose(1, 2).contiguous().transpose(1, 2)
     assert ssm.compile_layout() != before[0]
+
+
+def test_a_state_group_layout_follows_its_parts_changed_in_place():
+    """A state's layout is kept until a field is assigned; a group's parts live in a dict, which changes without
+    an assignment to the group, so a group's layout is never kept."""
+    from hybridlm.cache.states import SSMState, StateGroup
+
+    part = SSMState(torch.zeros(2, 4, 3), torch.zeros(2, 4, 8))
+    group = StateGroup({"mamba": part})
+    before = group.compile_layout()
+    group.parts["second"] = SSMState(torch.zeros(2, 4, 3), torch.zeros(2, 4, 8))
+    assert group.compile_layout() != before
+    del group.parts["second"]
+    assert group.compile_layout() == before
+    part.ssm = torch.zeros(2, 4, 16)
+    assert group.compile_layout() != before
 
 
 def test_a_compiled_step_refuses_a_use_backend_block():
