@@ -229,3 +229,36 @@ def test_attention_ref_gqa_and_mask_match_softmax():
         attention_ref(torch.randn(1, 3, 2, 4), torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4))
     with pytest.raises(ValueError, match="as many queries as keys"):
         attention_ref(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4), causal=True)
+
+
+@given(q_heads_per_kv=st.sampled_from([1, 3]), queries=st.sampled_from([1, 2, 5]),
+       mask_kind=st.sampled_from(["none", "shared", "per_head"]), dtype=st.sampled_from(["bfloat16", "float16"]),
+       seed=st.integers(0, 2**16))
+def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_heads_per_kv, queries, mask_kind,
+                                                                              dtype, seed):
+    """A CPU bf16/fp16 attention of a few queries is written out in fp32 (SDPA's CPU kernel is several times
+    slower there): it is the exact attention of the same inputs rounded once to the model dtype."""
+    from hybridlm.ops.attention import FEW_QUERY_ROWS
+
+    dtype = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(seed)
+    kv_heads, length = 2, 37
+    q = torch.randn(2, kv_heads * q_heads_per_kv, queries, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, kv_heads, length, 16, generator=g).to(dtype) for _ in range(2))
+    heads = {"none": None, "shared": 1, "per_head": q.shape[1]}[mask_kind]
+    mask = None if heads is None else torch.rand(2, heads, queries, length, generator=g) > 0.4
+    if mask is not None:
+        mask[..., 0] = True
+    assert q.shape[1] // kv_heads * queries <= FEW_QUERY_ROWS
+    out = attention_ref(q, k, v, mask=mask, scale=0.3)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
+                                           enable_gqa=True)
+    assert out.dtype == dtype and exact.abs().max() > 0.1
+    # one rounding to the model dtype (at most one unit in its last place), plus fp32's own few ulps
+    torch.testing.assert_close(out.double(), exact, rtol=torch.finfo(dtype).eps, atol=1e-6)
+    assert (out == exact.to(dtype)).float().mean() > 0.9  # mostly the correctly rounded value itself
+
+    many = torch.randn(1, 4, FEW_QUERY_ROWS, 16, generator=g).to(dtype)  # 2 heads a group x 16 queries: SDPA
+    keys = torch.randn(1, 2, FEW_QUERY_ROWS, 16, generator=g).to(dtype)
+    assert torch.equal(attention_ref(many, keys, keys),
+                       F.scaled_dot_product_attention(many, keys, keys, enable_gqa=True))
