@@ -8,7 +8,8 @@ tokens, side by side in one run.
 The models (each prepared once into ``$PEERS_DIR/models``):
 
 * ``hybrid``: the bundled hybrid-tiny (trained; 1:3 attention:Mamba-2) exported to ``bamba``;
-* ``lfm2``: the ``lfm2-small`` preset (random weights, seed 0) exported to ``lfm2``;
+* ``lfm2``: the ``lfm2-small`` preset with tied embeddings, as LFM2's public checkpoints (random weights, seed
+  0), exported to ``lfm2``;
 * ``mamba2``: the ``mamba2-lm-small`` preset (random weights, seed 0) exported to ``mamba2``;
 * ``smollm2``: SmolLM2-135M-Instruct's HF directory (``real_model.py fetch``), a ``llama``.
 
@@ -54,7 +55,11 @@ import peer_engines as peers  # noqa: E402
 from real_model import held_out_code, hf_dir, require_model  # noqa: E402
 
 EXPORTS = {"hybrid": "bamba", "lfm2": "lfm2", "mamba2": "mamba2", "smollm2": "llama"}
-PRESETS = {"lfm2": "lfm2-small", "mamba2": "mamba2-lm-small"}
+#: the random-weight models' presets and overrides. LFM2's public checkpoints tie the LM head to the embeddings,
+#: and vLLM's LFM2 always ties them (it ignores ``tie_word_embeddings: false`` and drops ``lm_head.weight``)
+PRESETS = {"lfm2": ("lfm2-small", {"tie_word_embeddings": True}), "mamba2": ("mamba2-lm-small", {})}
+#: the models' folder names under $PEERS_DIR (a new name when a model changes, so no stale copy is reused)
+CACHED_NAMES = {"lfm2": "lfm2-tied"}
 GGUF_TYPES = {"f32": ["f32"], "bf16": ["bf16", "f16"], "int8": ["q8_0"]}
 VLLM_DTYPES = {"f32": "fp32", "bf16": "bf16"}
 TORCH_PRECISIONS = ("f32", "bf16")  # what transformers runs (int8 is hybridlm's own quantize_weights)
@@ -82,7 +87,7 @@ def export_dir(name: str) -> Path:
     if name == "smollm2":
         require_model()
         return hf_dir()
-    out = peers.PEERS_DIR / "models" / name
+    out = peers.PEERS_DIR / "models" / CACHED_NAMES.get(name, name)
     if (out / "config.json").is_file():
         return out
     tokenizer_dir = hybridlm.bundled_model_dir("hybrid")
@@ -90,7 +95,8 @@ def export_dir(name: str) -> Path:
         model = hybridlm.HybridForCausalLM.from_pretrained(tokenizer_dir)
     else:
         torch.manual_seed(0)
-        model = hybridlm.HybridForCausalLM(preset(PRESETS[name]))
+        preset_name, overrides = PRESETS[name]
+        model = hybridlm.HybridForCausalLM(preset(preset_name, **overrides))
     aside = out.with_name(out.name + ".tmp")
     shutil.rmtree(aside, ignore_errors=True)
     model.save_pretrained(aside, format=EXPORTS[name])
@@ -102,7 +108,7 @@ def export_dir(name: str) -> Path:
 
 def gguf_file(name: str, directory: Path, outtype: str) -> Path:
     """``directory`` converted to GGUF at ``outtype`` by llama.cpp's converter, once."""
-    out = peers.PEERS_DIR / "gguf" / f"{name}-{outtype}.gguf"
+    out = peers.PEERS_DIR / "gguf" / f"{CACHED_NAMES.get(name, name)}-{outtype}.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         aside = out.with_suffix(".tmp")
