@@ -9,6 +9,8 @@ states is adjusted by transformers (``block_auto_adjust_ff_dim``); the width bui
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from hybridlm.config import HybridConfig
@@ -113,6 +115,11 @@ def from_config(config: HybridConfig) -> dict:
             "head_dim": config.hidden_size // config.num_attention_heads,
         })
     check_expressible("lfm2", problems)
+    if not config.tie_word_embeddings:
+        warnings.warn("lfm2 export of an untied LM head (tie_word_embeddings=False): transformers and llama.cpp "
+                      "read it as written, but vLLM's LFM2 ties the head to the embeddings and ignores "
+                      "lm_head.weight, so the model runs differently there (public LFM2 checkpoints are tied)",
+                      UserWarning, stacklevel=2)
     return {
         "model_type": "lfm2",
         "architectures": ["Lfm2ForCausalLM"],

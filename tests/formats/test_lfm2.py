@@ -67,7 +67,8 @@ def test_export_writes_the_public_lfm2_fields(tmp_path):
                                    rms_norm_eps=1e-6, rope_theta=5000.0, tie_word_embeddings=False,
                                    max_position_embeddings=4096)
     ours = randomize(hybridlm.HybridForCausalLM(config).eval(), seed=4)
-    check_export(ours, tmp_path, "lfm2")
+    with pytest.warns(UserWarning, match="vLLM's LFM2 ties the head"):  # vLLM would run another model
+        check_export(ours, tmp_path, "lfm2")
     written = json.loads((tmp_path / "config.json").read_text())
     assert {name: written[name] for name in PUBLIC_FIELDS} == {
         "block_dim": 32, "conv_dim": 32, "conv_dim_out": 32, "block_ff_dim": 40, "intermediate_size": 40,
@@ -87,6 +88,17 @@ PUBLIC_FIELDS = [
     "num_attention_heads", "num_key_value_heads", "conv_L_cache", "conv_bias", "full_attn_idxs", "layer_types",
     "tie_embedding", "tie_word_embeddings", "use_pos_enc", "rope_theta", "max_position_embeddings",
 ]
+
+
+def test_a_tied_lfm2_export_does_not_warn(tmp_path):
+    import warnings
+
+    config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, layer_pattern="CA", num_attention_heads=4,
+                                   num_key_value_heads=2, attention_qk_norm=True, tie_word_embeddings=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hybridlm.HybridForCausalLM(config).save_pretrained(tmp_path, format="lfm2")
+    assert json.loads((tmp_path / "config.json").read_text())["tie_embedding"] is True
 
 
 def test_export_refuses_what_lfm2_cannot_hold(tmp_path):
