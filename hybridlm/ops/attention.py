@@ -1,5 +1,6 @@
-"""Softmax attention with grouped key/value heads: PyTorch's SDPA on every device, except a few bf16 or fp16 queries
-on the CPU, written out in fp32 (:func:`_fp32_grouped_attention`: fp32 arithmetic as SDPA's, rounded once, several times faster there)."""
+"""Softmax attention with grouped key/value heads: PyTorch's SDPA on every device, except a few bf16 or fp16
+queries on the CPU, written out in fp32 (:func:`_fp32_grouped_attention`: fp32 arithmetic as in SDPA, rounded
+once, several times faster there)."""
 
 from __future__ import annotations
 
