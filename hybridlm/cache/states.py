@@ -75,7 +75,8 @@ class LayerState:
 
     def __setattr__(self, name: str, value) -> None:
         object.__setattr__(self, name, value)
-        self.__dict__.pop("_compile_layout", None)  # what it described may have changed
+        if name not in self.step_counters:  # a counter (advanced every step) is not part of the layout
+            self.__dict__.pop("_compile_layout", None)  # what it described may have changed
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
