@@ -12,6 +12,7 @@ chunks at once by the segment-sum matrix of chunk decays.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -29,12 +30,38 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
     Built by a masked cumulative sum rather than a difference of cumsums, which loses precision when the
     cumulative decay is large.
     """
+    return _lower_sums(x).masked_fill_(_above_diagonal(x), -torch.inf)
+
+
+#: Decays below ``exp(LOG_FLOOR)`` (1.8e-35) are computed as zero: ``exp`` is clamped there, and results at most
+#: ``FLUSHED`` are then zeroed. Near float32's smallest normal number (1.2e-38) and below, ``exp`` is 12-35x slower
+#: on the CPU than for a normal result (``exp(-inf)`` 3x slower); GPU kernels flush such results to zero too.
+LOG_FLOOR = -80.0
+FLUSHED = 2 * math.exp(LOG_FLOOR)
+
+
+def exp_flushed(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` on the fast path, results at most :data:`FLUSHED` flushed to zero."""
+    return F.threshold(x.clamp(min=LOG_FLOOR).exp_(), FLUSHED, 0.0)  # (exp_'s backward needs its output kept)
+
+
+def decay_matrix(x: torch.Tensor) -> torch.Tensor:
+    """``exp(segment_sum(x))`` flushed as :func:`exp_flushed` does (in place on the fresh sums): ``[..., l, l]``,
+    the decay from token ``j`` to token ``i`` (zero above the diagonal)."""
+    return F.threshold(segment_sum(x).clamp_(min=LOG_FLOOR).exp_(), FLUSHED, 0.0)
+
+
+def _lower_sums(x: torch.Tensor) -> torch.Tensor:
+    """``[..., l, l]``: :func:`segment_sum` below the diagonal and 0 on and above it (one allocation)."""
     n = x.shape[-1]
-    x = x.unsqueeze(-1).expand(*x.shape, n)  # x[..., i, j] = x_i
-    strictly_lower = torch.ones(n, n, dtype=torch.bool, device=x.device).tril(-1)
-    sums = x.masked_fill(~strictly_lower, 0.0).cumsum(dim=-2)
-    lower = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-    return sums.masked_fill(~lower, -torch.inf)
+    on_or_above = torch.ones(n, n, dtype=torch.bool, device=x.device).triu()
+    sums = x.unsqueeze(-1).expand(*x.shape, n).masked_fill(on_or_above, 0.0)  # x[..., i, j] = x_i where i > j
+    return sums.cumsum_(dim=-2)  # (in place: cumsum's and masked_fill's backward keep nothing)
+
+
+def _above_diagonal(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[-1]
+    return torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
 
 
 def chunked_decay_scan(
@@ -53,7 +80,11 @@ def chunked_decay_scan(
     ``sequences``: the boundaries ``[0, ..., time]`` of sequences packed in a batch of one (see
     :func:`packed_sequences`); then ``initial_state`` and the final state have one row per sequence. Packing is
     a decay of zero (log decay ``-inf``) at each sequence's first token, so no term crosses a boundary, and each
-    initial state enters at its sequence's first token as that token's own outer product would."""
+    initial state enters at its sequence's first token as that token's own outer product would.
+
+    The chunked tensors are head-major (``[batch, groups, heads per group, chunk, ...]``): the products take the
+    large ``[.., chunk, chunk]`` decay-masked scores as they are, and only token-sized tensors are permuted.
+    """
     batch, time, heads, dim_v = v.shape
     groups, dim_k = q.shape[-2:]
     if k.shape != q.shape or q.shape[:2] != v.shape[:2] or heads % groups:
@@ -70,38 +101,40 @@ def chunked_decay_scan(
         starts = nonempty_spans(sequences, v.device).starts
         start_decay = gf[0, starts]  # [n_nonempty, heads]: the decay each initial state gets at its first token
         gf = gf.index_fill(1, starts, -torch.inf)  # nothing before a sequence start reaches it
-    qc = rearrange(qf, "b (c l) g n -> b c l g n", l=chunk)
-    kc = rearrange(kf, "b (c l) g n -> b c l g n", l=chunk)
-    vc = rearrange(vf, "b (c l) (g e) p -> b c l g e p", l=chunk, g=groups)
+    qc = rearrange(qf, "b (c l) g n -> b g c l n", l=chunk)
+    kc = rearrange(kf, "b (c l) g n -> b g c l n", l=chunk)
+    vc = rearrange(vf, "b (c l) (g e) p -> b g e c l p", l=chunk, g=groups)
     decay = rearrange(gf, "b (c l) (g e) -> b g e c l", l=chunk, g=groups)
     within = decay.cumsum(dim=-1)  # log-decay from the chunk start, inclusive
-    inside = torch.exp(segment_sum(decay))  # [b, g, e, c, l, s]: decay from token s to token l of a chunk
+    inside = decay_matrix(decay)  # [b, g, e, c, l, s]: decay from token s to token l of a chunk
+    to_end = inside[..., -1, :]  # [b, g, e, c, s]: from token s to the chunk's end
 
     # 1. inside each chunk: y = (q k^T * L) v, L the causal decay matrix
-    scores = torch.einsum("bclgn,bcsgn->bgcls", qc, kc).unsqueeze(2) * inside
-    y = torch.einsum("bgecls,bcsgep->bclgep", scores, vc)
+    scores = (qc @ kc.transpose(-1, -2)).unsqueeze(2) * inside  # [b, g, e, c, l, s]
+    y = scores @ vc  # [b, g, e, c, l, p]
 
     # 2. the state each chunk adds, as seen at its end
-    added = torch.einsum("bcsgn,bgecs,bcsgep->bcgepn", kc, inside[..., -1, :], vc)
+    added = torch.einsum("bgcsn,bgecsp->bgecpn", kc, vc * to_end.unsqueeze(-1))
 
     # 3. pass states across chunks (entry 0 is the initial state)
     if initial_state is None or sequences is not None:
-        start = vf.new_zeros(batch, 1, groups, heads // groups, dim_v, dim_k)
+        start = vf.new_zeros(batch, groups, heads // groups, 1, dim_v, dim_k)
     else:
-        start = rearrange(initial_state.float(), "b (g e) p n -> b 1 g e p n", g=groups)
+        start = rearrange(initial_state.float(), "b (g e) p n -> b g e 1 p n", g=groups)
     injected = None
     if sequences is not None and initial_state is not None:
         injected = _inject_initial_states(initial_state, sequences, starts, start_decay, inside, qc, groups, chunk)
-        y, added = y.index_add(1, injected.chunks, injected.outputs), added.index_add(1, injected.chunks,
-                                                                                          injected.at_chunk_end)
-    states = torch.cat([start, added], dim=1)  # [b, c+1, g, e, p, n]
-    across = torch.exp(segment_sum(F.pad(within[..., -1], (1, 0))))  # [b, g, e, c+1, c+1]
-    states = torch.einsum("bgezc,bcgepn->bzgepn", across, states)
-    entering, final = states[:, :-1], states[:, -1]
+        y = y.index_add(3, injected.chunks, injected.outputs)
+        added = added.index_add(3, injected.chunks, injected.at_chunk_end)
+    states = torch.cat([start, added], dim=3)  # [b, g, e, c+1, p, n]
+    across = decay_matrix(F.pad(within[..., -1], (1, 0)))  # [b, g, e, c+1, c+1]
+    states = across @ states.flatten(-2)  # [b, g, e, c+1, p n]
+    entering = states[..., :-1, :].unflatten(-1, (dim_v, dim_k))  # [b, g, e, c, p, n]
+    final = states[..., -1, :].unflatten(-1, (dim_v, dim_k))  # [b, g, e, p, n]
 
     # 4. what the entering state contributes to each position
-    y = y + torch.einsum("bclgn,bcgepn,bgecl->bclgep", qc, entering, torch.exp(within))
-    y = rearrange(y, "b c l g e p -> b (c l) (g e) p")[:, :time]
+    y = y + torch.einsum("bgcln,bgecpn->bgeclp", qc, entering) * exp_flushed(within).unsqueeze(-1)
+    y = rearrange(y, "b g e c l p -> b (c l) (g e) p")[:, :time]
     if sequences is not None:
         final = _sequence_final_states(sequences, initial_state, injected, entering, within, inside, kc, vc, chunk)
         return y, final
@@ -114,8 +147,8 @@ class _Injected(NamedTuple):
     chunks: torch.Tensor  # [m] chunk of each first token
     offsets: torch.Tensor  # [m] its place in the chunk
     states: torch.Tensor  # [m, g, e, p, n] the initial state after the first token's decay
-    outputs: torch.Tensor  # [1, m, l, g, e, p] what it adds to the outputs of its chunk
-    at_chunk_end: torch.Tensor  # [1, m, g, e, p, n] what it adds to its chunk's end state
+    outputs: torch.Tensor  # [1, g, e, m, l, p] what it adds to the outputs of its chunk
+    at_chunk_end: torch.Tensor  # [1, g, e, m, p, n] what it adds to its chunk's end state
 
 
 def _inject_initial_states(initial_state, sequences, starts, start_decay, inside, qc, groups, chunk) -> _Injected:
@@ -127,9 +160,10 @@ def _inject_initial_states(initial_state, sequences, starts, start_decay, inside
     s0 = s0 * rearrange(torch.exp(start_decay), "m (g e) -> m g e 1 1", g=groups)
     by_chunk = rearrange(inside[0], "g e c l s -> c l s g e")
     column = by_chunk[chunks, :, offsets]  # [m, l, g, e]: decay from each first token to the tokens of its chunk
-    outputs = torch.einsum("mlgn,mgepn,mlge->mlgep", qc[0, chunks], s0, column)
+    outputs = torch.einsum("gmln,mgepn,mlge->gemlp", qc[0][:, chunks], s0, column)
     at_chunk_end = s0 * rearrange(column[:, -1], "m g e -> m g e 1 1")
-    return _Injected(chunks, offsets, s0, outputs.unsqueeze(0), at_chunk_end.unsqueeze(0))
+    return _Injected(chunks, offsets, s0, outputs.unsqueeze(0),
+                     rearrange(at_chunk_end, "m g e p n -> 1 g e m p n"))
 
 
 def _sequence_final_states(sequences, initial_state, injected, entering, within, inside, kc, vc, chunk):
@@ -140,9 +174,9 @@ def _sequence_final_states(sequences, initial_state, injected, entering, within,
     chunks, offsets = spans.lasts // chunk, spans.lasts % chunk
     by_chunk = rearrange(inside[0], "g e c l s -> c l s g e")
     upto = by_chunk[chunks, offsets]  # [m, s, g, e]: decay from each token of the end chunk to the end
-    state = torch.einsum("msgn,msge,msgep->mgepn", kc[0, chunks], upto, vc[0, chunks])
+    state = torch.einsum("gmsn,msge,gemsp->mgepn", kc[0][:, chunks], upto, vc[0][:, :, chunks])
     from_entering = torch.exp(rearrange(within[0], "g e c l -> c l g e")[chunks, offsets])  # [m, g, e]
-    state = state + entering[0, chunks] * from_entering[..., None, None]
+    state = state + rearrange(entering[0][:, :, chunks], "g e m p n -> m g e p n") * from_entering[..., None, None]
     if injected is not None:  # an initial state that entered in the end chunk itself
         reach = by_chunk[chunks, offsets, injected.offsets] * (injected.chunks == chunks)[:, None, None]
         state = state + injected.states * reach[..., None, None]
@@ -227,7 +261,7 @@ def decay_scan_states(k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor,
         g = gf[..., start : start + chunk_size]  # [b, h, l]
         length = g.shape[-1]
         # [b, h, l, 1 + l]: the decay of the entering state, and of each token's outer product, to token l
-        weights = torch.cat([torch.exp(g.cumsum(-1)).unsqueeze(-1), torch.exp(segment_sum(g))], dim=-1)
+        weights = torch.cat([exp_flushed(g.cumsum(-1)).unsqueeze(-1), decay_matrix(g)], dim=-1)
         v_part, k_part = vf[:, :, start : start + length, :, None], kf[:, :, start : start + length, None, :]
         if torch.is_grad_enabled():  # (out= cannot record a graph)
             sources = torch.cat([state.unsqueeze(2), v_part * k_part], dim=2)  # [b, h, 1 + s, p, n]

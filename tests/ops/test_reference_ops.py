@@ -11,7 +11,7 @@ from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_r
 from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
 from hybridlm.ops.selective_scan import selective_scan_ref, selective_state_update_ref
-from hybridlm.ops.ssd import segment_sum, ssd_chunk_scan_ref
+from hybridlm.ops.ssd import FLUSHED, decay_matrix, exp_flushed, segment_sum, ssd_chunk_scan_ref
 from tests.helpers import assert_close_rel
 
 # --- the literal recurrences ------------------------------------------------------------------------
@@ -135,6 +135,36 @@ def test_ssd_matches_recurrence(batch, groups, heads_per_group, head_dim, dstate
     y_naive, s_naive = naive_ssd(x, dt, A, B, C, D, s0)
     assert_close_rel(y, y_naive)
     assert_close_rel(s, s_naive)
+
+
+def test_ssd_with_decays_strong_enough_to_be_flushed_matches_recurrence():
+    """Heads whose decay over a chunk falls below FLUSHED (computed as zero) still match the float64 recurrence."""
+    g = torch.Generator().manual_seed(5)
+    batch, length, heads, head_dim, dstate = 2, 70, 3, 4, 5
+    x, dt = torch.randn(batch, length, heads, head_dim, generator=g), torch.rand(batch, length, heads, generator=g)
+    A, D = torch.tensor([-0.5, -8.0, -40.0]), torch.randn(heads, generator=g)
+    B, C = (torch.randn(batch, length, 1, dstate, generator=g) for _ in range(2))
+    s0 = torch.randn(batch, heads, head_dim, dstate, generator=g)
+    assert (dt[..., 2] * 40).sum(-1).min() > 200  # far below exp(-80) across a chunk
+    y, s = ssd_chunk_scan_ref(x, dt, A, B, C, 32, D, initial_state=s0)
+    y_naive, s_naive = naive_ssd(x, dt, A, B, C, D, s0)
+    assert_close_rel(y, y_naive)
+    assert_close_rel(s, s_naive)
+
+
+def test_decay_matrix_is_exp_of_segment_sum_with_only_the_tiniest_decays_flushed():
+    g = torch.Generator().manual_seed(0)
+    x = -torch.rand(6, 64, generator=g) * torch.tensor([0.1, 1.0, 2.0, 4.0, 8.0, 1.0])[:, None]
+    x[5, 20] = -torch.inf  # a packed sequence's start: nothing before it reaches past it
+    exact = torch.exp(segment_sum(x))
+    got = decay_matrix(x)
+    kept, flushed = exact > FLUSHED, (exact <= FLUSHED) & (exact > 0)
+    assert kept.sum() > 1000 and flushed.sum() > 100  # both kinds occur
+    assert torch.equal(got[kept], exact[kept])
+    assert (got[~kept] == 0).all()
+    assert (got[5, 20:, :20] == 0).all() and (got[5, 19, :20] > 0).all()
+    values = torch.tensor([0.0, -1.0, -79.0, -80.5, -87.5, -95.0, -200.0, -torch.inf])
+    assert torch.equal(exp_flushed(values), torch.where(values.exp() > FLUSHED, values.exp(), 0.0))
 
 
 def test_segment_sum():
