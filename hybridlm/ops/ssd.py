@@ -30,7 +30,11 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
     Built by a masked cumulative sum rather than a difference of cumsums, which loses precision when the
     cumulative decay is large.
     """
-    return _lower_sums(x).masked_fill_(_above_diagonal(x), -torch.inf)
+    n = x.shape[-1]
+    on_or_above = torch.ones(n, n, dtype=torch.bool, device=x.device).triu()
+    sums = x.unsqueeze(-1).expand(*x.shape, n).masked_fill(on_or_above, 0.0)  # x[..., i, j] = x_i where i > j
+    # in place, one allocation (the backward of cumsum and of masked_fill keeps nothing)
+    return sums.cumsum_(dim=-2).masked_fill_(on_or_above.triu(1), -torch.inf)
 
 
 #: Decays below ``exp(LOG_FLOOR)`` (1.8e-35) are computed as zero: ``exp`` is clamped there, and results at most
@@ -49,19 +53,6 @@ def decay_matrix(x: torch.Tensor) -> torch.Tensor:
     """``exp(segment_sum(x))`` flushed as :func:`exp_flushed` does (in place on the fresh sums): ``[..., l, l]``,
     the decay from token ``j`` to token ``i`` (zero above the diagonal)."""
     return F.threshold(segment_sum(x).clamp_(min=LOG_FLOOR).exp_(), FLUSHED, 0.0)
-
-
-def _lower_sums(x: torch.Tensor) -> torch.Tensor:
-    """``[..., l, l]``: :func:`segment_sum` below the diagonal and 0 on and above it (one allocation)."""
-    n = x.shape[-1]
-    on_or_above = torch.ones(n, n, dtype=torch.bool, device=x.device).triu()
-    sums = x.unsqueeze(-1).expand(*x.shape, n).masked_fill(on_or_above, 0.0)  # x[..., i, j] = x_i where i > j
-    return sums.cumsum_(dim=-2)  # (in place: cumsum's and masked_fill's backward keep nothing)
-
-
-def _above_diagonal(x: torch.Tensor) -> torch.Tensor:
-    n = x.shape[-1]
-    return torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
 
 
 def chunked_decay_scan(
