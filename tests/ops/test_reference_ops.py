@@ -11,7 +11,15 @@ from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_r
 from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
 from hybridlm.ops.selective_scan import selective_scan_ref, selective_state_update_ref
-from hybridlm.ops.ssd import FLUSHED, decay_matrix, exp_flushed, segment_sum, ssd_chunk_scan_ref
+from hybridlm.ops.ssd import (
+    FLUSHED,
+    chunked_decay_scan,
+    decay_matrix,
+    exp_flushed,
+    scan_chunk_size,
+    segment_sum,
+    ssd_chunk_scan_ref,
+)
 from tests.helpers import assert_close_rel
 
 # --- the literal recurrences ------------------------------------------------------------------------
@@ -165,6 +173,41 @@ def test_decay_matrix_is_exp_of_segment_sum_with_only_the_tiniest_decays_flushed
     assert (got[5, 20:, :20] == 0).all() and (got[5, 19, :20] > 0).all()
     values = torch.tensor([0.0, -1.0, -79.0, -80.5, -87.5, -95.0, -200.0, -torch.inf])
     assert torch.equal(exp_flushed(values), torch.where(values.exp() > FLUSHED, values.exp(), 0.0))
+
+
+def test_decay_matrix_backward_matches_autograd_through_its_definition():
+    g = torch.Generator().manual_seed(1)
+    scales = torch.tensor([0.1, 1.0, 3.0, 8.0], dtype=torch.float64)[:, None]
+    x = (-torch.rand(4, 48, generator=g, dtype=torch.float64) * scales)
+    x[2, 30] = -torch.inf  # a packed sequence's start
+    upstream = torch.randn(4, 48, 48, generator=g, dtype=torch.float64)
+    ours, = torch.autograd.grad((decay_matrix(x.requires_grad_()) * upstream).sum(), x)
+    theirs, = torch.autograd.grad((torch.exp(segment_sum(x)) * upstream).sum(), x)
+    assert (ours[:, 1:].abs() > 1e-3).float().mean() > 0.5  # not all zero
+    assert torch.equal(ours[:, 0], torch.zeros(4, dtype=torch.float64))  # x[0] never enters a segment sum
+    assert_close_rel(ours, theirs, rel=1e-12)
+    small = (-torch.rand(2, 7, generator=g, dtype=torch.float64)).requires_grad_()
+    assert torch.autograd.gradcheck(decay_matrix, (small,))
+
+
+def test_cpu_scan_runs_chunks_no_longer_than_its_own():
+    cpu = torch.device("cpu")
+    assert scan_chunk_size(256, 2048, cpu) == 64 and scan_chunk_size(256, 20000, cpu) == 128
+    assert scan_chunk_size(16, 20000, cpu) == 16 and scan_chunk_size(256, 2048, torch.device("meta")) == 256
+    g = torch.Generator().manual_seed(2)
+    b, t, h, p, n = 1, 150, 2, 3, 4
+    x, B, C = (torch.randn(b, t, *shape, generator=g) for shape in ((h, p), (1, n), (1, n)))
+    dt, A = torch.rand(b, t, h, generator=g) * 0.5, -torch.rand(h, generator=g)
+    D, s0 = torch.randn(h, generator=g), torch.randn(b, h, p, n, generator=g)
+    y, s = ssd_chunk_scan_ref(x, dt, A, B, C, 256, D, initial_state=s0)
+    y64, s64 = ssd_chunk_scan_ref(x, dt, A, B, C, 64, D, initial_state=s0)
+    assert torch.equal(y, y64) and torch.equal(s, s64)
+    y_naive, s_naive = naive_ssd(*(v.double() for v in (x, dt, A, B, C, D, s0)))
+    assert_close_rel(y, y_naive.float())
+    assert_close_rel(s, s_naive.float())
+    long = [torch.randn(1, 16400, 1, 2, generator=g) for _ in range(3)]
+    decay = -torch.rand(1, 16400, 1, generator=g)
+    assert torch.equal(chunked_decay_scan(*long, decay, 512)[0], chunked_decay_scan(*long, decay, 128)[0])
 
 
 def test_segment_sum():
