@@ -132,14 +132,16 @@ def chunked_decay_scan(
     pad = -time % chunk  # zero keys and values on padding: nothing enters the state
     if log_decay is None:
         log_decay = v.new_zeros(batch, time, heads, dtype=torch.float32)
-    qf, kf, vf, gf = (F.pad(t.float(), (0, 0) * (t.dim() - 2) + (0, pad)) for t in (q, k, v, log_decay))
+    qf, kf, vf, gf = (F.pad(t.float(), (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t.float()
+                      for t in (q, k, v, log_decay))  # (F.pad copies even when it pads nothing)
     if sequences is not None:
         starts = nonempty_spans(sequences, v.device).starts
         start_decay = gf[0, starts]  # [n_nonempty, heads]: the decay each initial state gets at its first token
         gf = gf.index_fill(1, starts, -torch.inf)  # nothing before a sequence start reaches it
-    qc = rearrange(qf, "b (c l) g n -> b g c l n", l=chunk)
-    kc = rearrange(kf, "b (c l) g n -> b g c l n", l=chunk)
-    vc = rearrange(vf, "b (c l) (g e) p -> b g e c l p", l=chunk, g=groups)
+    # each used by two products: laid out head-major once rather than copied by both
+    qc = rearrange(qf, "b (c l) g n -> b g c l n", l=chunk).contiguous()
+    kc = rearrange(kf, "b (c l) g n -> b g c l n", l=chunk).contiguous()
+    vc = rearrange(vf, "b (c l) (g e) p -> b g e c l p", l=chunk, g=groups).contiguous()
     decay = rearrange(gf, "b (c l) (g e) -> b g e c l", l=chunk, g=groups)
     within = decay.cumsum(dim=-1)  # log-decay from the chunk start, inclusive
     inside = decay_matrix(decay)  # [b, g, e, c, l, s]: decay from token s to token l of a chunk
