@@ -48,11 +48,46 @@ def causal_conv1d_ref(
     if bounds is not None:
         check_initial_states("causal_conv1d", bounds, initial_state)
         return _packed_conv(x[0], weight, bias, initial_state, activation, bounds)
-    if initial_state is None:
-        initial_state = x.new_zeros(batch, channels, width - 1)
-    padded = torch.cat([initial_state.to(x.dtype), x], dim=-1)
-    y = F.conv1d(padded, weight.unsqueeze(1), bias, groups=channels)
-    return _activate(y, activation), padded[..., padded.shape[-1] - (width - 1):]
+    dtype = torch.promote_types(x.dtype, torch.float32)  # taps summed in fp32 at least, rounded once
+    history = (x.new_zeros(batch, width - 1, channels) if initial_state is None
+               else initial_state.to(x.dtype).transpose(1, 2))
+    padded = torch.cat([history, x.transpose(1, 2)], dim=1).to(dtype)  # [batch, width - 1 + time, channels]
+    y = _TimeMajorConv.apply(padded, weight.to(dtype), None if bias is None else bias.to(dtype)).to(x.dtype)
+    final = padded[:, padded.shape[1] - (width - 1):].transpose(1, 2).to(x.dtype).contiguous()
+    return _activate(y, activation).transpose(1, 2), final
+
+
+class _TimeMajorConv(torch.autograd.Function):
+    """``y[:, t] = bias + sum_k weight[:, k] * padded[:, t + k]`` for ``padded [batch, width - 1 + time,
+    channels]``: ``y [batch, time, channels]``. Time-major, the layout the mixers' projections produce: one
+    multiply-add over contiguous channels per tap, forward and backward. ``F.conv1d`` wants ``[batch, channels,
+    time]``, which costs a transposing copy each way and a slower depthwise backward."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        width, time = weight.shape[-1], padded.shape[1] - weight.shape[-1] + 1
+        first = padded[:, :time]
+        y = first * weight[:, 0] if bias is None else torch.addcmul(bias, first, weight[:, 0])
+        for k in range(1, width):
+            y.addcmul_(padded[:, k : k + time], weight[:, k])
+        ctx.save_for_backward(padded, weight)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        padded, weight = ctx.saved_tensors
+        width, time = weight.shape[-1], grad.shape[1]
+        grad_padded = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_padded = padded.new_zeros(padded.shape)
+            for k in range(width):
+                grad_padded[:, k : k + time].addcmul_(grad, weight[:, k])
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.stack([(grad * padded[:, k : k + time]).sum((0, 1)) for k in range(width)], -1)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum((0, 1))
+        return grad_padded, grad_weight, grad_bias
 
 
 def _packed_conv(x, weight, bias, initial_state, activation, bounds):

@@ -222,6 +222,43 @@ def test_segment_sum():
 # --- causal conv1d ------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_causal_conv1d_gradients_match_the_definition(bias):
+    g = torch.Generator().manual_seed(3)
+    storage = torch.randn(2, 9, 5, generator=g, dtype=torch.float64)  # time-major, as the mixers' projections
+    weight = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    b = torch.randn(5, generator=g, dtype=torch.float64) if bias else None
+    history = torch.randn(2, 5, 3, generator=g, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (storage, weight, history) + ((b,) if bias else ())]
+
+    def ours(storage, weight, history, b=None):
+        y, final = causal_conv1d_ref(storage.transpose(1, 2), weight, b, initial_state=history, activation="silu")
+        return y, final
+
+    def definition(storage, weight, history, b=None):
+        full = torch.cat([history, storage.transpose(1, 2)], -1)
+        y = torch.stack([(full[..., t:t + 4] * weight).sum(-1) for t in range(9)], -1)
+        return F.silu(y if b is None else y + b[:, None]), full[..., -3:]
+
+    upstream = torch.randn(2, 5, 9, generator=g, dtype=torch.float64)
+    got = torch.autograd.grad((ours(*leaves)[0] * upstream).sum(), leaves)
+    expected = torch.autograd.grad((definition(*leaves)[0] * upstream).sum(), leaves)
+    for a, e in zip(got, expected):
+        assert_close_rel(a, e, rel=1e-12)
+    assert torch.autograd.gradcheck(lambda *t: ours(*t)[0], leaves)
+
+
+def test_causal_conv1d_of_bf16_sums_its_taps_in_fp32():
+    g = torch.Generator().manual_seed(4)
+    x, weight, bias = torch.randn(1, 16, 64, generator=g), torch.randn(16, 4, generator=g), torch.randn(16, generator=g)
+    x, weight, bias = (t.bfloat16() for t in (x, weight, bias))
+    y, final = causal_conv1d_ref(x, weight, bias)
+    exact, _ = causal_conv1d_ref(x.double(), weight.double(), bias.double())
+    assert y.dtype == final.dtype == torch.bfloat16
+    assert torch.equal(y, exact.bfloat16())  # one rounding, of the fp32 sum (exact here to fp32's precision)
+    assert torch.equal(final, x[..., -3:])
+
+
 @given(width=st.integers(1, 5), length=st.integers(1, 12), activation=st.sampled_from([None, "silu"]),
        seed=st.integers(0, 2**16))
 def test_causal_conv1d_matches_definition(width, length, activation, seed):
