@@ -65,8 +65,9 @@ def _flushed_decays(x: torch.Tensor) -> torch.Tensor:
 class _DecayMatrix(torch.autograd.Function):
     """:func:`decay_matrix` with a backward that needs only its output. ``out[i, j]`` depends on ``x[j+1..i]``
     with derivative ``out[i, j]`` (zero where flushed or masked), so ``dx[k]`` is the sum of ``grad * out`` over
-    ``j < k <= i``: one cumulative sum along rows and a column sum. Autograd's own backward of the masked
-    ``cumsum`` along rows flips the ``[l, l]`` sums twice, and keeps the masks and the clamp's input."""
+    ``j < k <= i``: one cumulative sum along each row and a sum down each column. Autograd's own backward of
+    the masked ``cumsum`` down the columns flips the ``[l, l]`` sums twice, and keeps the masks and the clamp's
+    input."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
