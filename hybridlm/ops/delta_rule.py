@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
-from hybridlm.ops.ssd import packed_sequences
+from hybridlm.ops.ssd import exp_flushed, packed_sequences
 
 # The channel-wise gate's decay tensor [..., L, L, dim_k] is dim_k times the scalar gate's (268 MB per layer at 2048
 # tokens, 8 heads of 64 keys, chunk 64): it is formed a slice of chunks at a time, each at most this many elements.
@@ -48,7 +48,9 @@ def _check(q, k, v, log_gate, beta, initial_state) -> None:
 
 def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagonal: int) -> torch.Tensor:
     """``out[..., i, j] = sum_d a[i, d] b[j, d] exp(G[i(, d)] - G[j(, d)])`` for ``j <= i + diagonal``
-    (``diagonal`` 0: lower triangle with the diagonal, -1: strictly lower), zero above.
+    (``diagonal`` 0: lower triangle with the diagonal, -1: strictly lower), zero above; decays below
+    :data:`~hybridlm.ops.ssd.FLUSHED` are zero, keeping ``exp`` off the CPU's slow path for tiny results (this
+    matrix 1.3x faster for gates of -0.05 a token, 2.5x for -8; the whole op at 2,048 tokens 1.0-1.2x).
 
     ``a, b [..., L, dim_k]``; ``G [..., L]`` (one gate per head) or ``[..., L, dim_k]`` (per channel). The
     exponent is masked before ``exp``, so the entries that are dropped cannot overflow.
@@ -56,7 +58,7 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagona
     n = a.shape[-2]
     keep = torch.ones(n, n, dtype=torch.bool, device=a.device).tril(diagonal)
     if G.dim() == a.dim() - 1:  # scalar gate: [..., L, L]
-        decay = (G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~keep, -torch.inf).exp()
+        decay = exp_flushed((G.unsqueeze(-1) - G.unsqueeze(-2)).masked_fill(~keep, -torch.inf))
         return (a @ b.transpose(-1, -2)) * decay
     lead, dim_k = a.shape[:-2], a.shape[-1]
     a, b, G = (t.reshape(-1, n, dim_k) for t in (a, b, G))  # [z, L, dim_k]
@@ -65,7 +67,7 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor, diagona
     for start in range(0, a.shape[0], step):
         part = slice(start, start + step)
         diff = (G[part, :, None] - G[part, None]).masked_fill(~keep[..., None], -torch.inf)  # [z', L, L, dim_k]
-        parts.append(torch.einsum("zid,zjd,zijd->zij", a[part], b[part], diff.exp()))
+        parts.append(torch.einsum("zid,zjd,zijd->zij", a[part], b[part], exp_flushed(diff)))
     return torch.cat(parts).view(*lead, n, n)
 
 
@@ -230,7 +232,7 @@ def gated_delta_rule_states(k: torch.Tensor, v: torch.Tensor, log_gate: torch.Te
         U = Wv - Wk @ state  # [b, h, l, dim_v]
         keep = torch.ones(kc.shape[2], kc.shape[2], dtype=torch.bool, device=kc.device).tril()  # [t, i]: i <= t
         diff = G_at.unsqueeze(3) - G_at.unsqueeze(2)  # [b, h, t, i, dim_k or 1]
-        reach = diff.masked_fill(~keep[..., None], -torch.inf).exp()
+        reach = exp_flushed(diff.masked_fill(~keep[..., None], -torch.inf))
         chunk = torch.einsum("bhtid,bhie->bhtde", reach * kc.unsqueeze(2), U)  # k[i] decayed to t, times u[i]
         chunk = chunk + G_at.exp().unsqueeze(-1) * state.unsqueeze(2)  # [b, h, l, dim_k, dim_v]
         states.append(chunk)

@@ -72,6 +72,19 @@ def test_gradients_match_recurrence(channelwise):
         assert_close_rel(got.grad, expected.grad, rel=1e-9)
 
 
+@pytest.mark.parametrize("channelwise", [False, True])
+def test_gates_that_decay_past_float32s_range_match_the_recurrence(channelwise):
+    """Gates of -2..-10 a token: the in-chunk decays underflow float32 (flushed to zero below 3.6e-35)."""
+    q, k, v, log_gate, beta, S0 = random_inputs(1, 48, 1, 2, 4, 3, channelwise, seed=6)
+    log_gate = log_gate / 0.7 * 8.0 - 2.0
+    o, S = gated_delta_rule_ref(*(t.float() for t in (q, k, v, log_gate, beta)), initial_state=S0.float(),
+                                chunk_size=48)
+    o_naive, S_naive = naive_delta_rule(q, k, v, log_gate, beta, 4**-0.5, S0)
+    assert log_gate.sum(1).max() < -100  # decays across the chunk far below float32's smallest normal number
+    assert_close_rel(o, o_naive.float())
+    assert_close_rel(S, S_naive.float())
+
+
 def test_channelwise_decay_formed_a_slice_of_chunks_at_a_time(monkeypatch):
     """The [..., L, L, dim_k] decay tensor in slices of 2 (batch, head, chunk) triples, the last one short: the
     same outputs, state and gradients as the recurrence."""
