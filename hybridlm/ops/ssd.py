@@ -98,20 +98,33 @@ class _DecayMatrix(torch.autograd.Function):
         return F.pad(below[..., :-1], (1, 0))  # x[0] never enters a segment sum
 
 
-#: On CPU tensors the scan's chunks hold at most this many tokens (``CPU_LONG_CHUNK`` past ``CPU_LONG_FROM``
-#: tokens), whatever larger chunk the model names: that one is a GPU kernel's tile (256 in the public Mamba-2 and
-#: Bamba checkpoints). Per token, the work inside a chunk grows with its length and the work across chunks with
-#: their number. Measured on one Mamba-2 layer (8 heads of 64, state 64, 1 thread), chunk 64 against 256: prefill
-#: 2.3x faster at 512 and 8,192 tokens and 1.7x at 16K (where 128 matches 64); training (4 x 512, forward and
-#: backward) 2.1x.
-CPU_CHUNK, CPU_LONG_CHUNK, CPU_LONG_FROM = 64, 128, 16384
+#: On CPU tensors the scan's chunks hold at most this many tokens, whatever larger chunk the model names: that one
+#: is a GPU kernel's tile (256 in the public Mamba-2 and Bamba checkpoints). Per token, the work inside a chunk grows
+#: with its length. Measured on one Mamba-2 layer (8 heads of 64, state 64, 1 thread), chunk 64 against 256: prefill
+#: 2.3x faster at 512 and 8,192 tokens; training (4 x 512, forward and backward) 2.1x.
+CPU_CHUNK = 64
+
+#: On CPU tensors a long scan without packed sequences runs in slices of consecutive chunks, each slice's final
+#: state the next one's initial state: a slice holds at least ``CPU_SLICE_CHUNKS`` chunks, more while its decay
+#: matrices (batch x heads x chunk x chunk per chunk) stay within ``CPU_SLICE_ELEMENTS`` (1 MiB of fp32, the size of
+#: this CPU's L2 cache per core). The whole sequence at once streams every elementwise pass over the
+#: ``[chunks, chunk, chunk]`` decays through memory, and passes states across all chunks by a matrix quadratic in
+#: their number. Measured on the peer Mamba-2 layer (16 heads of 32, state 64, 1 thread), the scan alone at the min
+#: (median): 1.1x (1.5x) faster at 2,048 tokens, 1.6x (1.8x) at 8,192, 2.6x at 32K against chunks of 128 there;
+#: the peer Mamba-2 model's prefill 1.06-1.09x at 2,048 tokens, 1.15-1.19x at 8,192; training at 4 x 512 unchanged.
+CPU_SLICE_CHUNKS, CPU_SLICE_ELEMENTS = 4, 1 << 18
 
 
-def scan_chunk_size(chunk_size: int, time: int, device: torch.device) -> int:
-    """The chunk :func:`chunked_decay_scan` uses for ``time`` tokens when the caller names ``chunk_size``."""
+def scan_chunk_size(chunk_size: int, device: torch.device) -> int:
+    """The chunk :func:`chunked_decay_scan` uses when the caller names ``chunk_size``."""
+    return chunk_size if device.type != "cpu" else min(chunk_size, CPU_CHUNK)
+
+
+def scan_slice_tokens(batch: int, heads: int, chunk: int, device: torch.device) -> int | None:
+    """How many tokens each slice of a CPU scan holds (a whole number of ``chunk``s); None off the CPU."""
     if device.type != "cpu":
-        return chunk_size
-    return min(chunk_size, CPU_CHUNK if time <= CPU_LONG_FROM else CPU_LONG_CHUNK)
+        return None
+    return chunk * max(CPU_SLICE_CHUNKS, CPU_SLICE_ELEMENTS // (batch * heads * chunk * chunk))
 
 
 def chunked_decay_scan(
@@ -125,7 +138,8 @@ def chunked_decay_scan(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``q, k [batch, time, groups, dim_k]``, ``v [batch, time, heads, dim_v]``, ``log_decay [batch, time, heads]``
     (None: no decay). Returns ``(y [batch, time, heads, dim_v] fp32, final_state [batch, heads, dim_v, dim_k]
-    fp32)``. The chunk size changes only the rounding; on the CPU it is at most :func:`scan_chunk_size`'s.
+    fp32)``. The chunk size changes only the rounding; on the CPU it is at most :func:`scan_chunk_size`'s, and a
+    long scan without ``sequences`` runs in slices of :func:`scan_slice_tokens` tokens (the rounding again).
 
     ``sequences``: the boundaries ``[0, ..., time]`` of sequences packed in a batch of one (see
     :func:`packed_sequences`); then ``initial_state`` and the final state have one row per sequence. Packing is
@@ -142,7 +156,10 @@ def chunked_decay_scan(
             f"chunked scan: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} disagree "
             "(need q, k [batch, time, groups, dim_k], v [batch, time, heads, dim_v], heads divisible by groups)"
         )
-    chunk = max(1, min(scan_chunk_size(chunk_size, time, v.device), time))
+    chunk = max(1, min(scan_chunk_size(chunk_size, v.device), time))
+    slice_tokens = scan_slice_tokens(batch, heads, chunk, v.device)
+    if sequences is None and slice_tokens is not None and time > slice_tokens:
+        return _scan_in_slices(q, k, v, log_decay, chunk, initial_state, slice_tokens)
     pad = -time % chunk  # zero keys and values on padding: nothing enters the state
     if log_decay is None:
         log_decay = v.new_zeros(batch, time, heads, dtype=torch.float32)
@@ -191,6 +208,18 @@ def chunked_decay_scan(
         final = _sequence_final_states(sequences, initial_state, injected, entering, within, inside, kc, vc, chunk)
         return y, final
     return y, rearrange(final, "b g e p n -> b (g e) p n")
+
+
+def _scan_in_slices(q, k, v, log_decay, chunk, initial_state, slice_tokens):
+    """:func:`chunked_decay_scan` of ``slice_tokens`` tokens at a time along ``time``, each slice starting from the
+    state the one before ended in (see :data:`CPU_SLICE_ELEMENTS`)."""
+    outputs, state = [], initial_state
+    for start in range(0, v.shape[1], slice_tokens):
+        part = slice(start, start + slice_tokens)
+        y, state = chunked_decay_scan(q[:, part], k[:, part], v[:, part],
+                                      None if log_decay is None else log_decay[:, part], chunk, state)
+        outputs.append(y)
+    return torch.cat(outputs, dim=1), state
 
 
 class _Injected(NamedTuple):

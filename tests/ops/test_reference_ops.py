@@ -10,6 +10,7 @@ from hybridlm.ops.attention import attention_ref
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
+import hybridlm.ops.ssd as ssd_module
 from hybridlm.ops.selective_scan import selective_scan_ref, selective_state_update_ref
 from hybridlm.ops.ssd import (
     FLUSHED,
@@ -17,6 +18,7 @@ from hybridlm.ops.ssd import (
     decay_matrix,
     exp_flushed,
     scan_chunk_size,
+    scan_slice_tokens,
     segment_sum,
     ssd_chunk_scan_ref,
 )
@@ -192,8 +194,8 @@ def test_decay_matrix_backward_matches_autograd_through_its_definition():
 
 def test_cpu_scan_runs_chunks_no_longer_than_its_own():
     cpu = torch.device("cpu")
-    assert scan_chunk_size(256, 2048, cpu) == 64 and scan_chunk_size(256, 20000, cpu) == 128
-    assert scan_chunk_size(16, 20000, cpu) == 16 and scan_chunk_size(256, 2048, torch.device("meta")) == 256
+    assert scan_chunk_size(256, cpu) == 64 and scan_chunk_size(16, cpu) == 16
+    assert scan_chunk_size(256, torch.device("meta")) == 256
     g = torch.Generator().manual_seed(2)
     b, t, h, p, n = 1, 150, 2, 3, 4
     x, B, C = (torch.randn(b, t, *shape, generator=g) for shape in ((h, p), (1, n), (1, n)))
@@ -205,9 +207,40 @@ def test_cpu_scan_runs_chunks_no_longer_than_its_own():
     y_naive, s_naive = naive_ssd(*(v.double() for v in (x, dt, A, B, C, D, s0)))
     assert_close_rel(y, y_naive.float())
     assert_close_rel(s, s_naive.float())
-    long = [torch.randn(1, 16400, 1, 2, generator=g) for _ in range(3)]
-    decay = -torch.rand(1, 16400, 1, generator=g)
-    assert torch.equal(chunked_decay_scan(*long, decay, 512)[0], chunked_decay_scan(*long, decay, 128)[0])
+
+
+def test_cpu_scan_slices_long_inputs(monkeypatch):
+    """A scan longer than a slice chains slices by their states: as the float64 recurrence, with gradients."""
+    cpu = torch.device("cpu")
+    assert scan_slice_tokens(1, 16, 64, cpu) == 4 * 64 and scan_slice_tokens(1, 2, 64, cpu) == 32 * 64
+    assert scan_slice_tokens(1, 16, 64, torch.device("meta")) is None
+    monkeypatch.setattr(ssd_module, "CPU_SLICE_CHUNKS", 2)
+    monkeypatch.setattr(ssd_module, "CPU_SLICE_ELEMENTS", 1)
+    g = torch.Generator().manual_seed(5)
+    b, t, h, p, n, chunk = 2, 45, 2, 3, 4, 8  # slices of 16 tokens, the last one short and padded
+    assert scan_slice_tokens(b, h, chunk, cpu) == 16
+    x = torch.randn(b, t, h, p, generator=g, dtype=torch.float64)
+    B, C = (torch.randn(b, t, 1, n, generator=g, dtype=torch.float64) for _ in range(2))
+    dt, A = torch.rand(b, t, h, generator=g, dtype=torch.float64) * 0.5, -torch.rand(h, generator=g, dtype=torch.float64)
+    D, s0 = torch.randn(h, generator=g, dtype=torch.float64), torch.randn(b, h, p, n, generator=g, dtype=torch.float64)
+    inputs = [v.clone().requires_grad_() for v in (x, dt, A, B, C, D, s0)]
+    calls = []
+    whole = ssd_module.chunked_decay_scan
+    monkeypatch.setattr(ssd_module, "chunked_decay_scan",
+                        lambda q, *rest, **options: calls.append(q.shape[1]) or whole(q, *rest, **options))
+    y, s = ssd_chunk_scan_ref(*inputs[:5], chunk, inputs[5], initial_state=inputs[6])
+    assert calls == [45, 16, 16, 13]
+    y_naive, s_naive = naive_ssd(*(v.detach() for v in inputs))
+    assert_close_rel(y.double(), y_naive, rel=1e-6)
+    assert_close_rel(s.double(), s_naive, rel=1e-6)
+    upstream_y, upstream_s = torch.randn(y.shape, generator=g), torch.randn(s.shape, generator=g)
+    ours = torch.autograd.grad((y * upstream_y).sum() + (s * upstream_s).sum(), inputs)
+    naive_inputs = [v.detach().clone().requires_grad_() for v in inputs]
+    y_n, s_n = naive_ssd(*naive_inputs)
+    theirs = torch.autograd.grad((y_n * upstream_y.double()).sum() + (s_n * upstream_s.double()).sum(), naive_inputs)
+    for mine, reference in zip(ours, theirs):
+        assert reference.abs().max() > 1e-3
+        assert_close_rel(mine.double(), reference, rel=1e-6)
 
 
 def test_segment_sum():
