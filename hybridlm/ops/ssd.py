@@ -104,14 +104,15 @@ class _DecayMatrix(torch.autograd.Function):
 #: 2.3x faster at 512 and 8,192 tokens; training (4 x 512, forward and backward) 2.1x.
 CPU_CHUNK = 64
 
-#: On CPU tensors a long scan without packed sequences runs in slices of consecutive chunks, each slice's final
-#: state the next one's initial state: a slice holds at least ``CPU_SLICE_CHUNKS`` chunks, more while its decay
-#: matrices (batch x heads x chunk x chunk per chunk) stay within ``CPU_SLICE_ELEMENTS`` (1 MiB of fp32, the size of
-#: this CPU's L2 cache per core). The whole sequence at once streams every elementwise pass over the
-#: ``[chunks, chunk, chunk]`` decays through memory, and passes states across all chunks by a matrix quadratic in
-#: their number. Measured on the peer Mamba-2 layer (16 heads of 32, state 64, 1 thread), the scan alone at the min
-#: (median): 1.1x (1.5x) faster at 2,048 tokens, 1.6x (1.8x) at 8,192, 2.6x at 32K against chunks of 128 there;
-#: the peer Mamba-2 model's prefill 1.06-1.09x at 2,048 tokens, 1.15-1.19x at 8,192; training at 4 x 512 unchanged.
+#: On CPU tensors a long chunked scan without packed sequences (this one, and the gated delta rule's) runs in slices
+#: of consecutive chunks, each slice's final state the next one's initial state. A slice holds at least
+#: ``CPU_SLICE_CHUNKS`` chunks, more while its decay matrices (batch x heads x chunk x chunk per chunk) stay within
+#: ``CPU_SLICE_ELEMENTS`` (1 MiB of fp32, this CPU's L2 cache per core). The whole sequence at once streams every
+#: elementwise pass over the ``[chunks, chunk, chunk]`` decays through memory, and passes states across all chunks
+#: by a matrix quadratic in their number. Measured on the peer Mamba-2 layer (16 heads of 32, state 64, 1 thread),
+#: the scan alone at the min (median): 1.1x (1.5x) faster at 2,048 tokens, 1.6x (1.8x) at 8,192, 2.6x at 32K
+#: against chunks of 128 there; the peer Mamba-2 model's prefill 1.06-1.09x at 2,048 tokens, 1.15-1.19x at 8,192;
+#: training at 4 x 512 unchanged.
 CPU_SLICE_CHUNKS, CPU_SLICE_ELEMENTS = 4, 1 << 18
 
 
@@ -159,7 +160,7 @@ def chunked_decay_scan(
     chunk = max(1, min(scan_chunk_size(chunk_size, v.device), time))
     slice_tokens = scan_slice_tokens(batch, heads, chunk, v.device)
     if sequences is None and slice_tokens is not None and time > slice_tokens:
-        return _scan_in_slices(q, k, v, log_decay, chunk, initial_state, slice_tokens)
+        return scan_in_slices(chunked_decay_scan, (q, k, v, log_decay), initial_state, slice_tokens, chunk_size=chunk)
     pad = -time % chunk  # zero keys and values on padding: nothing enters the state
     if log_decay is None:
         log_decay = v.new_zeros(batch, time, heads, dtype=torch.float32)
@@ -210,14 +211,14 @@ def chunked_decay_scan(
     return y, rearrange(final, "b g e p n -> b (g e) p n")
 
 
-def _scan_in_slices(q, k, v, log_decay, chunk, initial_state, slice_tokens):
-    """:func:`chunked_decay_scan` of ``slice_tokens`` tokens at a time along ``time``, each slice starting from the
-    state the one before ended in (see :data:`CPU_SLICE_ELEMENTS`)."""
+def scan_in_slices(scan, inputs, initial_state, slice_tokens: int, **options):
+    """``scan(*inputs, initial_state=..., **options) -> (y [batch, time, ...], final_state)`` run on ``slice_tokens``
+    tokens of ``inputs`` (each ``[batch, time, ...]``, or None) at a time, each slice starting from the state the
+    one before ended in (see :data:`CPU_SLICE_ELEMENTS`)."""
     outputs, state = [], initial_state
-    for start in range(0, v.shape[1], slice_tokens):
+    for start in range(0, inputs[0].shape[1], slice_tokens):
         part = slice(start, start + slice_tokens)
-        y, state = chunked_decay_scan(q[:, part], k[:, part], v[:, part],
-                                      None if log_decay is None else log_decay[:, part], chunk, state)
+        y, state = scan(*(None if t is None else t[:, part] for t in inputs), initial_state=state, **options)
         outputs.append(y)
     return torch.cat(outputs, dim=1), state
 

@@ -6,6 +6,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hybridlm.ops.delta_rule as delta_rule_module
+import hybridlm.ops.ssd as ssd_module
 from hybridlm.ops.delta_rule import gated_delta_rule_ref, gated_delta_rule_step_ref
 from tests.helpers import assert_close_rel
 
@@ -55,6 +57,34 @@ def test_chunked_matches_recurrence(batch, time, key_heads, group, dim_k, dim_v,
     assert o_naive.abs().max() > 0 and S_naive.abs().max() > 0
     assert_close_rel(o, o_naive, rel=1e-10)
     assert_close_rel(S, S_naive, rel=1e-10)
+
+
+@pytest.mark.parametrize("channelwise", [False, True])
+def test_cpu_slices_chain_states(channelwise, monkeypatch):
+    """A long input runs in slices, each from the state the one before ended in: the same values bit for bit as
+    one pass (the chunks are carried one by one either way), the recurrence's values and gradients."""
+    inputs = random_inputs(2, 29, 1, 2, 4, 3, channelwise, seed=8)
+    whole = gated_delta_rule_ref(*inputs[:5], initial_state=inputs[5], chunk_size=4)
+    monkeypatch.setattr(ssd_module, "CPU_SLICE_CHUNKS", 2)
+    monkeypatch.setattr(ssd_module, "CPU_SLICE_ELEMENTS", 1)
+    calls = []
+    unwatched = delta_rule_module.gated_delta_rule_ref
+    monkeypatch.setattr(delta_rule_module, "gated_delta_rule_ref",
+                        lambda q, *rest, **options: calls.append(q.shape[1]) or unwatched(q, *rest, **options))
+    ours = [t.clone().requires_grad_() for t in inputs]
+    o, S = delta_rule_module.gated_delta_rule_ref(*ours[:5], initial_state=ours[5], chunk_size=4)
+    assert calls == [29, 8, 8, 8, 5]
+    assert torch.equal(o, whole[0]) and torch.equal(S, whole[1])
+    twins = [t.clone().requires_grad_() for t in inputs]
+    o_naive, S_naive = naive_delta_rule(*twins[:5], 4**-0.5, twins[5])
+    assert_close_rel(o, o_naive, rel=1e-10)
+    assert_close_rel(S, S_naive, rel=1e-10)
+    weights = torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    ((o * weights).sum() + S.square().sum()).backward()
+    ((o_naive * weights).sum() + S_naive.square().sum()).backward()
+    for name, got, expected in zip(("q", "k", "v", "log_gate", "beta", "initial_state"), ours, twins):
+        assert expected.grad.abs().max() > 0, name
+        assert_close_rel(got.grad, expected.grad, rel=1e-9)
 
 
 @pytest.mark.parametrize("channelwise", [False, True])
