@@ -6,15 +6,14 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
+import hybridlm.ops.ssd as ssd_module
 from hybridlm.ops.attention import attention_ref
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
-import hybridlm.ops.ssd as ssd_module
 from hybridlm.ops.selective_scan import selective_scan_ref, selective_state_update_ref
 from hybridlm.ops.ssd import (
     FLUSHED,
-    chunked_decay_scan,
     decay_matrix,
     exp_flushed,
     scan_chunk_size,
@@ -221,7 +220,8 @@ def test_cpu_scan_slices_long_inputs(monkeypatch):
     assert scan_slice_tokens(b, h, chunk, cpu) == 16
     x = torch.randn(b, t, h, p, generator=g, dtype=torch.float64)
     B, C = (torch.randn(b, t, 1, n, generator=g, dtype=torch.float64) for _ in range(2))
-    dt, A = torch.rand(b, t, h, generator=g, dtype=torch.float64) * 0.5, -torch.rand(h, generator=g, dtype=torch.float64)
+    dt = torch.rand(b, t, h, generator=g, dtype=torch.float64) * 0.5
+    A = -torch.rand(h, generator=g, dtype=torch.float64)
     D, s0 = torch.randn(h, generator=g, dtype=torch.float64), torch.randn(b, h, p, n, generator=g, dtype=torch.float64)
     inputs = [v.clone().requires_grad_() for v in (x, dt, A, B, C, D, s0)]
     calls = []
