@@ -225,7 +225,13 @@ def selective_state_update_ref(
     if dt_softplus:
         step = F.softplus(step)
     xf = x.float()
-    new_state = state.float() * torch.exp(step.unsqueeze(-1) * A.float()) + (step * xf).unsqueeze(-1) * B
+    if _one_decay_per_head(dt, A, dt_bias):
+        # [b, h, 1, 1]: one exp per head, where the expanded form takes one per state element (a Mamba-2
+        # layer holds heads x head_dim x d_state of them; the same values either way)
+        decay = torch.exp(step[..., :1, None] * A[:, :1, :1].float())
+    else:
+        decay = torch.exp(step.unsqueeze(-1) * A.float())  # [b, h, dim, n]
+    new_state = state.float() * decay + (step * xf).unsqueeze(-1) * B
     state.copy_(new_state)
     y = (new_state * C).sum(-1)
     if D is not None:
@@ -234,6 +240,14 @@ def selective_state_update_ref(
         y = y * F.silu(z.float())
     y = y.to(x.dtype)
     return y.flatten(1, 2) if headless else y
+
+
+def _one_decay_per_head(dt: torch.Tensor, A: torch.Tensor, dt_bias: torch.Tensor | None) -> bool:
+    """Whether ``dt`` (and ``dt_bias``) are expanded over the head's channels and ``A`` over its channels and
+    state (stride 0, as Mamba-2 passes them; mamba-ssm's kernel ties them the same way), so that the decay is one
+    value per head."""
+    return (dt.dim() == 3 and dt.stride(-1) == 0 and A.stride(-1) == 0 and A.stride(-2) == 0
+            and (dt_bias is None or dt_bias.stride(-1) == 0))
 
 
 def selective_scan_with_states(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -11,7 +11,7 @@ from hybridlm.ops.attention import attention_ref
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
 from hybridlm.ops.linear_attention import causal_linear_attention_ref
-from hybridlm.ops.selective_scan import selective_scan_ref, selective_state_update_ref
+from hybridlm.ops.selective_scan import _one_decay_per_head, selective_scan_ref, selective_state_update_ref
 from hybridlm.ops.ssd import (
     FLUSHED,
     decay_matrix,
@@ -124,6 +124,29 @@ def test_selective_state_update_mamba2_layout():
     assert_close_rel(torch.stack(ys, 1), y_naive)
     assert_close_rel(state, s_naive)
 
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_selective_state_update_one_decay_per_head_equals_the_expanded_decay(with_bias):
+    """Expanded (stride-0) dt and A take one exp per head: the same state and output, to the bit, as the same
+    values laid out in full."""
+    g = torch.Generator().manual_seed(4)
+    b, h, p, n = 2, 4, 3, 5
+    x, dt = torch.randn(b, h, p, generator=g), torch.randn(b, h, generator=g)
+    A, D, bias = -torch.rand(h, generator=g), torch.randn(h, generator=g), torch.randn(h, generator=g)
+    B, C = (torch.randn(b, 1, n, generator=g) for _ in range(2))
+    s0 = torch.randn(b, h, p, n, generator=g)
+    tied = (dt[:, :, None].expand(b, h, p), A[:, None, None].expand(h, p, n))
+    full = tuple(t.contiguous() for t in tied)
+    assert _one_decay_per_head(*tied, None) and not _one_decay_per_head(*full, None)
+    kwargs = {"D": D[:, None].expand(h, p), "dt_softplus": with_bias}
+    tied_bias = {"dt_bias": bias[:, None].expand(h, p)} if with_bias else {}
+    full_bias = {"dt_bias": bias[:, None].expand(h, p).contiguous()} if with_bias else {}
+    tied_state, full_state = s0.clone(), s0.clone()
+    y_tied = selective_state_update_ref(tied_state, x, *tied, B, C, **kwargs, **tied_bias)
+    y_full = selective_state_update_ref(full_state, x, *full, B, C, **kwargs, **full_bias)
+    assert torch.equal(y_tied, y_full) and torch.equal(tied_state, full_state)
+    assert not torch.equal(tied_state, s0)
 
 # --- SSD (Mamba-2) ------------------------------------------------------------------------------------
 
