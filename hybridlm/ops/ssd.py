@@ -30,8 +30,7 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
     Built by a masked cumulative sum rather than a difference of cumsums, which loses precision when the
     cumulative decay is large.
     """
-    on_or_above = _on_or_above(x)
-    return _lower_sums(x, on_or_above).masked_fill_(on_or_above.triu(1), -torch.inf)
+    return _lower_sums(x).masked_fill_(_on_or_above(x).triu(1), -torch.inf)
 
 
 def _on_or_above(x: torch.Tensor) -> torch.Tensor:
@@ -39,12 +38,16 @@ def _on_or_above(x: torch.Tensor) -> torch.Tensor:
     return torch.ones(x.shape[-1], x.shape[-1], dtype=torch.bool, device=x.device).triu()
 
 
-def _lower_sums(x: torch.Tensor, on_or_above: torch.Tensor) -> torch.Tensor:
-    """``[..., i, j] = x[j+1] + ... + x[i]`` below the diagonal, zero on and above it: a cumulative sum down the
-    columns of ``x_i`` placed where ``i > j`` (by ``where``, several times faster on the CPU than a masked fill
-    over a broadcast mask; from a contiguous ``x``, so the sums are row-major whatever its strides). In place
-    after one allocation (the backward of ``where`` and ``cumsum`` keeps nothing)."""
-    return torch.where(on_or_above, 0.0, x.contiguous().unsqueeze(-1)).cumsum_(dim=-2)
+def _lower_sums(x: torch.Tensor) -> torch.Tensor:
+    """``[..., i, j] = x[j+1] + ... + x[i]`` below the diagonal, zero (of either sign) on and above it: a cumulative
+    sum down the columns of ``x_i`` placed where ``i > j``. Placed by a multiply with a 0/1 mask, which on the CPU
+    is 5-7x faster than ``where`` and 10x faster than a masked fill over the broadcast (measured at 8 heads x 4 chunks
+    of 64); an ``x`` of ``-inf`` (a packed sequence's first token) is first made the most negative float, so that
+    ``0 * x`` stays zero, and a sum reaching it is still ``-inf`` or next to it. In place after one allocation, row-
+    major whatever ``x``'s strides (the backward of the multiply and ``cumsum`` keeps nothing but the mask)."""
+    below = torch.ones(x.shape[-1], x.shape[-1], dtype=x.dtype, device=x.device).tril(-1)
+    finite = x.contiguous().clamp(min=torch.finfo(x.dtype).min)  # [..., l], row-major: so are the sums
+    return (finite.unsqueeze(-1) * below).cumsum_(dim=-2)
 
 
 #: Decays below ``exp(LOG_FLOOR)`` (1.8e-35) are computed as zero: ``exp`` is clamped there, and results at most
@@ -72,7 +75,7 @@ def _flushed_decays(x: torch.Tensor) -> torch.Tensor:
     triangle zeroed after ``exp`` by a multiply rather than filled with ``-inf`` before it (a masked fill over a
     broadcast mask is several times slower on the CPU). The values are the same bit for bit; 2.4x faster than
     masked fills at 16 heads x 32 chunks of 64."""
-    sums = _lower_sums(x, _on_or_above(x))
+    sums = _lower_sums(x)
     on_or_below = torch.ones(x.shape[-1], x.shape[-1], dtype=x.dtype, device=x.device).tril()
     return F.threshold_(sums.clamp_(min=LOG_FLOOR).exp_().mul_(on_or_below), FLUSHED, 0.0)
 
