@@ -66,23 +66,26 @@ class _TimeMajorConv(torch.autograd.Function):
     @staticmethod
     def forward(ctx, padded: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         width, time = weight.shape[-1], padded.shape[1] - weight.shape[-1] + 1
+        # [width, channels]: each tap's weights contiguous, so that the multiply-adds vectorise (a column of
+        # weight [channels, width] is strided: 4.1x slower at 256 tokens x 320 channels, 1 thread)
+        taps = weight.t().contiguous()
         first = padded[:, :time]
-        y = first * weight[:, 0] if bias is None else torch.addcmul(bias, first, weight[:, 0])
+        y = first * taps[0] if bias is None else torch.addcmul(bias, first, taps[0])
         for k in range(1, width):
-            y.addcmul_(padded[:, k : k + time], weight[:, k])
-        ctx.save_for_backward(padded, weight)
+            y.addcmul_(padded[:, k : k + time], taps[k])
+        ctx.save_for_backward(padded, taps)
         ctx.has_bias = bias is not None
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        padded, weight = ctx.saved_tensors
-        width, time = weight.shape[-1], grad.shape[1]
+        padded, taps = ctx.saved_tensors
+        width, time = taps.shape[0], grad.shape[1]
         grad_padded = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
             grad_padded = padded.new_zeros(padded.shape)
             for k in range(width):
-                grad_padded[:, k : k + time].addcmul_(grad, weight[:, k])
+                grad_padded[:, k : k + time].addcmul_(grad, taps[k])
         if ctx.needs_input_grad[1]:
             grad_weight = torch.stack([(grad * padded[:, k : k + time]).sum((0, 1)) for k in range(width)], -1)
         if ctx.has_bias and ctx.needs_input_grad[2]:
