@@ -275,6 +275,27 @@ def test_segment_sum():
             assert out[i, j] == expected
 
 
+def test_segment_sum_of_strided_log_decays_with_a_sequence_start():
+    """A strided input (the scan's head-major view) gives row-major sums; a sum that reaches a log decay of -inf
+    (a packed sequence's start) is at most the most negative float, and exp of it is 0; the others are exact."""
+    g = torch.Generator().manual_seed(5)
+    x = (-torch.rand(6, 3, generator=g)).t()  # [3, 6], strided
+    x[1, 3] = -torch.inf
+    out = segment_sum(x)
+    assert out.is_contiguous()
+    for row in range(3):
+        for i in range(6):
+            for j in range(6):
+                part = x[row, j + 1:i + 1]
+                if j > i:
+                    assert out[row, i, j] == -torch.inf
+                elif torch.isinf(part).any():
+                    assert out[row, i, j] <= torch.finfo(x.dtype).min and torch.exp(out[row, i, j]) == 0
+                else:
+                    assert abs(out[row, i, j].item() - part.double().sum().item()) <= 1e-6
+    assert (out[1, 3:, :3] <= torch.finfo(x.dtype).min).all() and torch.isfinite(out[0].tril()).all()
+
+
 # --- causal conv1d ------------------------------------------------------------------------------------
 
 
