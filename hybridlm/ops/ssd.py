@@ -43,8 +43,9 @@ def _lower_sums(x: torch.Tensor) -> torch.Tensor:
     sum down the columns of ``x_i`` placed where ``i > j``. Placed by a multiply with a 0/1 mask, which on the CPU
     is 5-7x faster than ``where`` and 10x faster than a masked fill over the broadcast (measured at 8 heads x 4 chunks
     of 64); an ``x`` of ``-inf`` (a packed sequence's first token) is first made the most negative float, so that
-    ``0 * x`` stays zero, and a sum reaching it is still ``-inf`` or next to it. In place after one allocation, row-
-    major whatever ``x``'s strides (the backward of the multiply and ``cumsum`` keeps nothing but the mask)."""
+    ``0 * x`` stays zero, and a sum reaching it is still ``-inf`` or next to it. In place after one ``[l, l]``
+    allocation, row-major whatever ``x``'s strides (the backward of the multiply and ``cumsum`` keeps only the
+    mask)."""
     below = torch.ones(x.shape[-1], x.shape[-1], dtype=x.dtype, device=x.device).tril(-1)
     finite = x.contiguous().clamp(min=torch.finfo(x.dtype).min)  # [..., l], row-major: so are the sums
     return (finite.unsqueeze(-1) * below).cumsum_(dim=-2)

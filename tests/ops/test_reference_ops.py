@@ -125,7 +125,6 @@ def test_selective_state_update_mamba2_layout():
     assert_close_rel(state, s_naive)
 
 
-
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_selective_state_update_one_decay_per_head_equals_the_expanded_decay(with_bias):
     """Expanded (stride-0) dt and A take one exp per head: the same state and output, to the bit, as the same
@@ -147,6 +146,7 @@ def test_selective_state_update_one_decay_per_head_equals_the_expanded_decay(wit
     y_full = selective_state_update_ref(full_state, x, *full, B, C, **kwargs, **full_bias)
     assert torch.equal(y_tied, y_full) and torch.equal(tied_state, full_state)
     assert not torch.equal(tied_state, s0)
+
 
 # --- SSD (Mamba-2) ------------------------------------------------------------------------------------
 
