@@ -35,8 +35,7 @@ PRESETS: dict[str, dict] = {
     "mamba2-lm-small": dict(_SMALL, layer_pattern="SSSSSSSS", mlp_types=["none"] * 8),
     "nemotron-h-small": dict(_SMALL, layer_types=["mamba2", "none", "mamba2", "none", "attention", "none", "mamba2",
                                                   "none"],
-                             mlp_types=["none", "dense"] * 4, partial_rotary_factor=0.0, mlp_activation="relu2",
-                             mamba2_dt_limit=[0.001, float("inf")]),  # Nemotron-H clamps dt at time_step_min
+                             mlp_types=["none", "dense"] * 4, partial_rotary_factor=0.0, mlp_activation="relu2"),
     "lfm2-small": dict(_SMALL, layer_pattern="CCACCACA", attention_qk_norm=True),
     "qwen3-next-small": dict(_SMALL, layer_pattern="DDDADDDA", attention_qk_norm=True, attention_output_gate=True),
     "hybrid-tiny": dict(_TINY, layer_pattern="SSSASSSA", intermediate_size=384),

@@ -161,9 +161,11 @@ class HybridCache:
         for state in self.states:
             state.keep_checkpoints(tokens)
 
-    def activate_past_recording(self) -> None:
-        """transformers' name for :meth:`keep_checkpoints` (assisted generation calls it): the last 64 tokens."""
-        self.keep_checkpoints()
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None) -> None:
+        """transformers' name for :meth:`keep_checkpoints` (assisted generation calls it): the last 64 tokens, or
+        ``recurrent_states_to_keep`` (the draft length transformers 5.25 passes) if more."""
+        wanted = recurrent_states_to_keep or 0
+        self.keep_checkpoints(max(wanted, rollback.AUTO_CHECKPOINT_TOKENS))
 
     @property
     def is_croppable(self) -> bool:

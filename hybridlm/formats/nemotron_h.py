@@ -5,7 +5,9 @@ configs, the ``layers_block_type`` list. Each block is one hybridlm layer with `
 ``M`` -> (mamba2, none), ``*`` -> (attention, none), ``-`` -> (none, dense), ``E`` -> (none, moe). Attention has
 no positional encoding; MLPs are squared-ReLU without a gate; the MoE router is DeepSeek-V3's (sigmoid scores,
 a per-expert selection bias, group-limited top-k, renormalised, scaled: ``moe_router="sigmoid"``) and every MoE
-block has one always-on shared expert. Mamba-2's dt is clamped from below at ``time_step_min``.
+block has one always-on shared expert. Mamba-2's dt is clamped to ``time_step_limit`` (default ``[0, inf)``), as in
+NVIDIA's own code and transformers 5.25; ``time_step_min`` only bounds dt's initialisation. (transformers 5.24 and
+older clamped at ``time_step_min`` instead.)
 
 On export, a hybridlm layer with both a mixer and an MLP becomes two blocks (mixer, then MLP): the same function.
 Weights are written in the on-disk layout (``backbone.``, one tensor per expert); the ``model.`` prefix and the
@@ -98,7 +100,7 @@ def to_config(foreign_config: dict) -> HybridConfig:
         router_aux_loss_coef=0.0,  # transformers adds no load-balancing loss (expert_bias balances instead)
         mamba2_inner_size=_inner_size(fc),
         mamba2_dt_min=fc["time_step_min"],
-        mamba2_dt_limit=[fc["time_step_min"], float("inf")],  # what the mixer applies, whatever time_step_limit says
+        mamba2_dt_limit=list(fc["time_step_limit"]),
     )
 
 
@@ -121,8 +123,6 @@ def from_config(config: HybridConfig) -> dict:
                                          "attention_scale": None, "sliding_window": None})
     if "mamba2" in mixers:
         problems += differences(config, {"mamba2_norm": "gated"})
-        if config.mamba2_dt_limit[1] != float("inf"):
-            problems.append(f"mamba2_dt_limit={config.mamba2_dt_limit} (Nemotron-H clamps dt to [min, inf))")
     if mlps:
         problems += differences(config, {"mlp_activation": "relu2"})
     if "moe" in mlps:
@@ -137,7 +137,8 @@ def from_config(config: HybridConfig) -> dict:
         "layers_block_type": [BLOCK_OF[(config.layer_types if part == "mixer" else config.mlp_types)[i]]
                               for i, part in blocks(config)],
         "mamba_num_heads": config.mamba2_num_heads,
-        "time_step_min": config.mamba2_dt_limit[0],
+        "time_step_min": config.mamba2_dt_min,
+        "time_step_limit": list(config.mamba2_dt_limit or (0.0, float("inf"))),
         "tie_word_embeddings": False,
         "mlp_hidden_act": "relu2",
         "mamba_hidden_act": "silu",

@@ -304,6 +304,10 @@ def test_transformers_hooks():
     assert cache.is_croppable
     cache.activate_past_recording()
     assert cache.states[1].checkpoint_limit == 64
+    cache.activate_past_recording(recurrent_states_to_keep=5)  # transformers 5.25 passes the draft length
+    assert cache.states[1].checkpoint_limit == 64
+    cache.activate_past_recording(recurrent_states_to_keep=100)
+    assert cache.states[1].checkpoint_limit == 100
     with pytest.raises(ValueError, match="tokens must be an int >= 0"):
         cache.keep_checkpoints(-1)
 

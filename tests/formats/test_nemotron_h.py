@@ -59,11 +59,12 @@ def test_nemotron_h_runs_like_transformers(nemotron):
 
 def test_legacy_pattern_stacked_experts_and_model_prefix(nemotron, tmp_path):
     """The same checkpoint as ``hybrid_override_pattern`` + ``model.`` names + stacked experts + MTP weights, with
-    a dt clamp that binds: transformers and hybridlm read it alike."""
+    a dt clamp that binds (``time_step_limit``; transformers before 5.25 clamped at ``time_step_min`` instead, so the
+    two say the same here): transformers and hybridlm read it alike."""
     _, unclamped, directory = nemotron
     config = json.loads((directory / "config.json").read_text())
     del config["layers_block_type"]
-    config.update(hybrid_override_pattern="MEM*-M", time_step_min=0.02)
+    config.update(hybrid_override_pattern="MEM*-M", time_step_min=0.02, time_step_limit=[0.02, float("inf")])
     (tmp_path / "config.json").write_text(json.dumps(config))
     state = {name.replace("backbone.", "model."): t for name, t in load_file(directory / "model.safetensors").items()}
     for part in ("up_proj", "down_proj"):
