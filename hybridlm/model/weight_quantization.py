@@ -1,20 +1,11 @@
-"""Int8 linears for inference (``quantize_weights(model)``), through torchao.
+"""Int8 weight-only linears for inference (``quantize_weights(model)``), through torchao.
 
 Every ``nn.Linear`` of the model (the mixers' projections, the MLPs, the LM head) keeps its weight as int8 codes
-with one fp32 scale per output row: ``scale = absmax(row) / 127.5``, codes ``round(w / scale)`` in [-128, 127];
-norms, embeddings, conv weights and recurrent states stay in the model dtype. Two schemes:
-
-* weight-only (the default; torchao's ``Int8WeightOnlyConfig``): ``x @ (codes * scale)^T + bias``, activations
-  in the model dtype. Eager, a quarter of fp32's weight bytes to read. Compiled, inductor's freezing folds
-  ``codes * scale`` back into a float constant: the step then reads fp32 weights and is no faster than fp32's.
-* ``activations="int8"`` (W8A8, torchao's ``Int8DynamicActivationInt8WeightConfig``): each row of the input is
-  quantized too, on the fly, with its own scale (``absmax(x) / 127.5``), and the product runs int8 x int8 into
-  int32 (VNNI and AMX on CPUs that have them), scaled back by both scales. llama.cpp's Q8_0 products do the same
-  (with blocks of 32 instead of rows); on an AVX-512 VNNI/AMX CPU the SmolLM2-shaped products run 2.9x faster
-  than fp32's, compiled (docs/performance.md). The input's rounding costs quality: measure it (benchmarks/int8_cpu.py).
-
-The compiled decode step (:class:`~hybridlm.decoding.decode_step.DecodeStep`) takes either model as it takes a
-float one.
+with one fp32 scale per output row: ``scale = absmax(row) / 127.5``, codes ``round(w / scale)`` in [-128, 127]
+(torchao's ``Int8WeightOnlyConfig``); activations, norms, embeddings, conv weights and recurrent states stay in
+the model dtype. A quantized linear computes ``x @ (codes * scale)^T + bias``: a quarter of fp32's weight bytes
+to read per token, which is what decode on a CPU waits for. The compiled decode step
+(:class:`~hybridlm.decoding.decode_step.DecodeStep`) takes such a model as it takes a float one.
 
 A mixer that reads a projection's weight itself rather than calling the module (``Mixer.weights_read_directly``:
 MLA's latent attention absorbs ``kv_b_proj`` into its queries) cannot take codes there; such a model is refused
@@ -29,19 +20,13 @@ from torch import nn
 
 #: the attribute a quantized model carries (what ``save_pretrained`` checks)
 QUANTIZED_WEIGHTS = "hybridlm_weight_bits"
-#: what ``activations=`` takes: None (weight-only) or "int8" (dynamic per-row int8 inputs)
-ACTIVATION_SCHEMES = (None, "int8")
 
 
-def quantize_weights(model: nn.Module, bits: int = 8, exclude: tuple[str, ...] = (),
-                     activations: str | None = None) -> nn.Module:
+def quantize_weights(model: nn.Module, bits: int = 8, exclude: tuple[str, ...] = ()) -> nn.Module:
     """Quantize ``model``'s linear weights to int8 in place (and return it). ``exclude``: module names
-    (``"lm_head"``) or their last part (``"kv_b_proj"``) to keep in float. ``activations="int8"``: quantize each
-    linear's input rows too, dynamically (W8A8)."""
+    (``"lm_head"``) or their last part (``"kv_b_proj"``) to keep in float."""
     if bits != 8:
-        raise ValueError(f"quantize_weights: bits={bits!r}; only 8 (int8 weights) is supported")
-    if activations not in ACTIVATION_SCHEMES:
-        raise ValueError(f"quantize_weights: activations={activations!r}; known: None (weight-only) or 'int8'")
+        raise ValueError(f"quantize_weights: bits={bits!r}; only 8 (int8 weight-only) is supported")
     if getattr(model, QUANTIZED_WEIGHTS, None):
         raise ValueError("quantize_weights: the model's weights are already quantized")
     excluded = set(exclude)
@@ -54,7 +39,7 @@ def quantize_weights(model: nn.Module, bits: int = 8, exclude: tuple[str, ...] =
         raise ValueError(f"quantize_weights: the {'/'.join(kinds)} layers read these weights themselves, which "
                          f"int8 codes cannot serve: {', '.join(refused)}; keep them in float with exclude=({parts},)")
     try:
-        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as error:
         raise ImportError("quantize_weights needs torchao: pip install torchao (or hybridlm[int8])") from error
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -65,7 +50,6 @@ def quantize_weights(model: nn.Module, bits: int = 8, exclude: tuple[str, ...] =
         return isinstance(module, nn.Linear) and name not in excluded and name.rsplit(".", 1)[-1] not in excluded
 
     model.requires_grad_(False)
-    scheme = Int8WeightOnlyConfig() if activations is None else Int8DynamicActivationInt8WeightConfig()
-    quantize_(model, scheme, filter_fn=chosen)
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=chosen)
     setattr(model, QUANTIZED_WEIGHTS, bits)
     return model
