@@ -73,9 +73,9 @@ def decode_times(models: dict, prompt: torch.Tensor, warmup: int, steps: int, co
     return {label: (min(run[3]), statistics.median(run[3])) for label, run in runs.items()}
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, compiled_only: bool = False) -> argparse.Namespace:
     """The options this benchmark and ``int8_cpu.py`` share: models, held-out tokens, greedy tokens, context,
-    warm-up and timed steps, threads."""
+    warm-up and timed steps, threads; ``compiled_only``: a ``--compiled-only`` flag instead of ``--compiled``."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--models", nargs="+", default=["hybrid", "smollm2"])
     parser.add_argument("--tokens", type=int, default=512, help="held-out tokens for the KL and top-1 agreement")
@@ -84,7 +84,10 @@ def parse_args(description: str) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compiled", action="store_true", help="also time each dtype's compiled step")
+    if compiled_only:
+        parser.add_argument("--compiled-only", action="store_true", help="time the compiled steps alone")
+    else:
+        parser.add_argument("--compiled", action="store_true", help="also time each dtype's compiled step")
     return parser.parse_args()
 
 

@@ -16,7 +16,7 @@ The models (each prepared once into ``$PEERS_DIR/models``):
 Each export goes to GGUF through the converter vendored with llama.cpp (``convert_hf_to_gguf.py``; a new
 vocabulary's unknown pre-tokenizer hash is mapped to GPT-2's, docs/formats.md). Precisions: ``f32`` (hybridlm
 fp32; GGUF f32 with an f32 KV cache; vLLM float32), ``bf16`` (hybridlm bf16; GGUF bf16 and f16; vLLM bfloat16)
-and ``int8`` (hybridlm's int8 weight-only linears; GGUF Q8_0).
+and ``int8`` (hybridlm's int8 weight-only linears on the bf16 model; GGUF Q8_0).
 
 Measured for each model, precision and thread count:
 
@@ -197,9 +197,14 @@ def make_engines(llama_cpp, name: str, directory: Path, precision: str, threads:
         engines["transformers"] = peers.TransformersEngine(directory, precision)
     if llama_cpp is not None:
         for outtype in GGUF_TYPES[precision]:
+            # llama.cpp 0.3.36's AMX buffers crash (SIGSEGV) on a batch of several Q8_0 tokens: prefill included
+            no_amx = outtype == "q8_0" and peers.cpu_has_amx()
+            if no_amx:
+                print("  llama.cpp Q8_0 runs without its AMX buffers here (they crash on a multi-token batch); "
+                      "its batch-1 decode with them: docs/performance.md", flush=True)
             engines[f"llama.cpp-{outtype}"] = peers.LlamaCppEngine(
                 llama_cpp, gguf_file(name, directory, outtype), threads, max_length, batch,
-                f32_cache=precision == "f32")
+                f32_cache=precision == "f32", extra_buffers=not no_amx)
     return engines
 
 

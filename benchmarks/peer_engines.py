@@ -39,10 +39,12 @@ GGML_TYPE_F16 = 1
 
 
 class HybridlmEngine:
-    """``directory`` loaded by hybridlm at ``dtype`` (int8: fp32 with :func:`~hybridlm.model.quantize_weights`)."""
+    """``directory`` loaded by hybridlm at ``dtype`` (int8: int8 weight-only linears,
+    :func:`~hybridlm.model.quantize_weights`, on the bf16 model: compiled, inductor multiplies the int8 codes by the
+    bf16 inputs in its weight-only GEMM, where on an fp32 model its freezing folds the codes back into fp32 weights)."""
 
     def __init__(self, directory: Path, dtype: str, headroom: int, compiled: bool, mode: str | None = None):
-        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        torch_dtype = torch.float32 if dtype == "f32" else torch.bfloat16
         self.model = hybridlm.HybridForCausalLM.from_pretrained(directory, dtype=torch_dtype).eval()
         if dtype == "int8":
             hybridlm.model.quantize_weights(self.model)
@@ -101,13 +103,24 @@ def load_llama_cpp():
     return llama_cpp
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX int8 tiles (llama.cpp then puts quantized weights in its AMX buffers)."""
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 class LlamaCppEngine:
     """A GGUF file in llama.cpp at ``threads`` threads, ``batch`` sequences, KV cache in f32 for f32 weights (equal
-    precision) and llama.cpp's default f16 otherwise."""
+    precision) and llama.cpp's default f16 otherwise. ``extra_buffers=False`` keeps the weights out of llama.cpp's
+    repacking buffers (AMX on CPUs that have it; its ``--no-repack``)."""
 
-    def __init__(self, llama_cpp, gguf: Path, threads: int, max_length: int, batch: int, f32_cache: bool):
+    def __init__(self, llama_cpp, gguf: Path, threads: int, max_length: int, batch: int, f32_cache: bool,
+                 extra_buffers: bool = True):
         self.lib = llama_cpp
         model_params = llama_cpp.llama_model_default_params()
+        model_params.use_extra_bufts = extra_buffers
         self.model = llama_cpp.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {gguf}")

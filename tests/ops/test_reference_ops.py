@@ -449,3 +449,20 @@ def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_h
     keys = torch.randn(1, 2, FEW_QUERY_ROWS, 16, generator=g).to(dtype)
     assert torch.equal(attention_ref(many, keys, keys),
                        F.scaled_dot_product_attention(many, keys, keys, enable_gqa=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_reduced_precision_decode_attention_is_fp32_sdpa_rounded_once(dtype):
+    """Compiled, the written-out attention reduces over broadcast products (inductor then reads the stored keys and
+    values without fp32 copies): still the exact attention of its inputs rounded once."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)  # 3 query heads per key/value head, one query
+    k, v = (torch.randn(2, 2, 41, 16, generator=g).to(dtype) for _ in range(2))
+    mask = torch.rand(2, 6, 1, 41, generator=g) > 0.3
+    mask[..., 0] = True
+    out = torch.compile(attention_ref, fullgraph=True, dynamic=False)(q, k, v, mask=mask, scale=0.3)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
+                                           enable_gqa=True)
+    assert out.dtype == dtype and exact.abs().max() > 0.1
+    torch.testing.assert_close(out.double(), exact, rtol=torch.finfo(dtype).eps, atol=1e-6)
+    assert (out == exact.to(dtype)).float().mean() > 0.9
