@@ -153,6 +153,26 @@ def compare_greedy(engines: dict, vllm, prompt: list[int], new_tokens: int) -> d
     return report
 
 
+def fp32_log_probs(directory: Path, row: list[int]) -> torch.Tensor:
+    """hybridlm's fp32 next-token log-probabilities over ``row``: the reference of :func:`kl_to_fp32`."""
+    with torch.inference_mode():
+        model = hybridlm.HybridForCausalLM.from_pretrained(directory).eval()
+        return model(torch.tensor([row])).logits[0].double().log_softmax(-1)
+
+
+def kl_to_fp32(engines: dict, reference: torch.Tensor, row: list[int]) -> dict:
+    """For hybridlm (compiled and eager share the model) and each llama.cpp engine: the mean next-token
+    KL(hybridlm fp32 || engine) over ``row`` in nats, and the share of positions whose top token is the same."""
+    report = {}
+    for label, engine in engines.items():
+        if label in ("hybridlm-eager", "transformers"):
+            continue
+        out = engine.log_probs(row)[:, :reference.shape[-1]]  # llama.cpp may pad its vocabulary
+        kl = (reference.exp() * (reference - out)).sum(-1).mean().item()
+        report[label] = {"kl": kl, "top1": (reference.argmax(-1) == out.argmax(-1)).double().mean().item()}
+    return report
+
+
 def time_prefill(engines: dict, vllm, rows: list[int], rounds: int) -> dict:
     times = {label: [] for label in [*engines, *(["vllm"] if vllm else [])]}
     for _ in range(rounds + 1):  # the first round warms up
@@ -268,6 +288,11 @@ def markdown(record: dict) -> str:
             for label, entry in record["greedy"].items()}
     greedy = ["reference", *(same.get(e, "") for e in engines[1:]), *[""] * (len(engines) - 1)]
     lines.append("| greedy tokens | " + " | ".join(greedy) + " |")
+    if "kl" in record:
+        kl = [f"{record['kl'][e]['kl']:.2e} ({100 * record['kl'][e]['top1']:.1f}%)" if e in record["kl"] else ""
+              for e in engines]
+        kl += [""] * (len(engines) - 1)
+        lines.append("| KL to hybridlm fp32, nats/token (same top token) | " + " | ".join(kl) + " |")
     for length, speeds in record["prefill"].items():  # tok/s: the ratio is hybridlm's over the other's
         cells = [f"{speeds[e][0]:,.0f} / {speeds[e][1]:,.0f}" if e in speeds else "" for e in engines]
         ratios = [f"{speeds['hybridlm'][1] / speeds[e][1]:.2f}" if e in speeds else "" for e in engines[1:]]
@@ -290,6 +315,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--prefill", nargs="+", type=int, default=[256, 2048])
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--kl-tokens", type=int, default=512,
+                        help="held-out tokens for each engine's next-token KL to hybridlm fp32 (0: skip it)")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--block", type=int, default=8, help="steps an engine runs before the next takes its turn")
@@ -332,6 +359,7 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         stride = 64
         ids = held_out_code(tokenizer, max(args.contexts + args.prefill) + stride * max(args.batches))
+        reference = fp32_log_probs(directory, ids[:args.kl_tokens]) if args.kl_tokens else None
         for precision in args.precisions if name == "smollm2" else ["f32"]:
             for threads in args.threads:
                 torch.set_num_threads(threads)
@@ -344,6 +372,10 @@ def main() -> None:
                 head = f"{name} ({EXPORTS[name]}) {precision}, {threads} thread(s)"
                 record["greedy"] = compare_greedy(engines, vllm, ids[:64], args.new_tokens)
                 print(f"{head}: greedy {args.new_tokens} tokens against hybridlm: {record['greedy']}", flush=True)
+                if reference is not None:
+                    record["kl"] = kl_to_fp32(engines, reference, ids[:args.kl_tokens])
+                    print(f"{head}: KL to hybridlm fp32 over {args.kl_tokens} held-out tokens: {record['kl']}",
+                          flush=True)
                 record["prefill"] = {}
                 for length in args.prefill:
                     t = time_prefill(engines, vllm, ids[:length], args.rounds)

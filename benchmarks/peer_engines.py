@@ -62,6 +62,11 @@ class HybridlmEngine:
     def step(self, tokens: list[int]) -> list[int]:
         return self.step_fn(torch.tensor(tokens), self.cache).argmax(-1).tolist()
 
+    @torch.inference_mode()
+    def log_probs(self, row: list[int]) -> torch.Tensor:
+        """Next-token log-probabilities after each token of ``row``: float64 ``[len(row), vocab]``."""
+        return self.model(torch.tensor([row])).logits[0].double().log_softmax(-1)
+
 
 class TransformersEngine:
     """``directory`` loaded by transformers at ``dtype`` (f32 or bf16), decoding with its default cache."""
@@ -172,6 +177,23 @@ class LlamaCppEngine:
         entries = [(t, self.positions[s], s, True) for s, t in enumerate(tokens)]
         self.positions = [p + 1 for p in self.positions]
         return self._decode(entries)
+
+    def log_probs(self, row: list[int]) -> torch.Tensor:
+        """Next-token log-probabilities after each token of ``row`` (one sequence, from an empty cache): float64
+        ``[len(row), vocab]``."""
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
+        b, rows = self.batch_buffer, []
+        for start in range(0, len(row), self.chunk):
+            piece = row[start:start + self.chunk]
+            for i, token in enumerate(piece):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, start + i, 1, 1
+                b.seq_id[i][0] = 0
+            b.n_tokens = len(piece)
+            if (status := self.lib.llama_decode(self.ctx, b)) != 0:
+                raise RuntimeError(f"llama_decode returned {status}")
+            rows += [np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).copy()
+                     for i in range(len(piece))]
+        return torch.from_numpy(np.stack(rows)).double().log_softmax(-1)
 
     def close(self) -> None:
         self.lib.llama_batch_free(self.batch_buffer)

@@ -1,6 +1,6 @@
 """Softmax attention with grouped key/value heads: PyTorch's SDPA on every device, except a few bf16 or fp16
 queries on the CPU, written out in fp32 (:func:`_fp32_grouped_attention`: fp32 arithmetic as in SDPA, rounded
-once, several times faster there; compiled, without fp32 copies of the keys and values)."""
+once, several times faster there)."""
 
 from __future__ import annotations
 
@@ -62,22 +62,12 @@ def _fp32_grouped_attention(q, k, v, mask, scale) -> torch.Tensor:
     kv_heads, k_len = k.shape[1], k.shape[2]
     rows = q_heads // kv_heads * q_len
     queries = q.float().reshape(batch, kv_heads, rows, dim)
-    # compiled, as reductions over broadcast products: inductor fuses the casts into them and reads the keys and
-    # values as they are stored, where products would first copy every slot of the cache to fp32
-    fused = torch.compiler.is_compiling()
-    if fused:
-        scores = (queries[:, :, :, None] * k[:, :, None].float()).sum(-1)  # [batch, kv_heads, rows, k_len]
-    else:
-        scores = torch.matmul(queries, k.float().transpose(-1, -2))  # [batch, kv_heads, rows, k_len]
+    scores = torch.matmul(queries, k.float().transpose(-1, -2))  # [batch, kv_heads, rows, k_len]
     scores = scores * (scale if scale is not None else dim ** -0.5)
     if mask is not None:
         allowed = mask.expand(batch, q_heads, q_len, k_len).reshape(batch, kv_heads, rows, k_len)
         scores = scores.masked_fill(~allowed, -torch.inf)
-    probs = scores.softmax(-1)
-    if fused:
-        out = (probs[..., None] * v[:, :, None].float()).sum(-2)  # [batch, kv_heads, rows, dim]
-    else:
-        out = torch.matmul(probs, v.float())  # [batch, kv_heads, rows, dim]
+    out = torch.matmul(scores.softmax(-1), v.float())  # [batch, kv_heads, rows, dim]
     return out.reshape(batch, q_heads, q_len, v.shape[-1]).to(q.dtype)
 
 

@@ -453,8 +453,8 @@ def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_h
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_reduced_precision_decode_attention_is_fp32_sdpa_rounded_once(dtype):
-    """Compiled, the written-out attention reduces over broadcast products (inductor then reads the stored keys and
-    values without fp32 copies): still the exact attention of its inputs rounded once."""
+    """Compiled (as in a compiled decode step), the written-out attention is still the exact attention of its inputs
+    rounded once."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)  # 3 query heads per key/value head, one query
     k, v = (torch.randn(2, 2, 41, 16, generator=g).to(dtype) for _ in range(2))
