@@ -81,13 +81,13 @@ class TransformersEngine:
     @torch.inference_mode()
     def prefill(self, rows: list[list[int]]) -> list[int]:
         out = self.model(torch.tensor(rows), use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
+        self.cache = out.cache
         return out.logits[:, -1].argmax(-1).tolist()
 
     @torch.inference_mode()
     def step(self, tokens: list[int]) -> list[int]:
-        out = self.model(torch.tensor(tokens)[:, None], past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+        out = self.model(torch.tensor(tokens)[:, None], cache=self.cache, use_cache=True)
+        self.cache = out.cache
         return out.logits[:, -1].argmax(-1).tolist()
 
 

@@ -263,7 +263,7 @@ def test_greedy_speculative_decoding_on_a_paged_cache_equals_greedy(monkeypatch)
     plain = model.generate(ids, max_new_tokens=10, do_sample=False)
     for options in [dict(prompt_lookup_num_tokens=3), dict(assistant_model=tiny_model(seed=1, layer_pattern="A"))]:
         cache = model.new_cache(1, policy=CachePolicy(page_size=4))
-        out = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=cache, **options)
+        out = model.generate(ids, max_new_tokens=10, do_sample=False, cache=cache, **options)
         assert isinstance(cache.states[0], PagedKV) and torch.equal(out, plain), options
         assert any(rewound), options  # some draft tokens were rejected and cropped
         rewound.clear()
