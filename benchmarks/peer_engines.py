@@ -144,9 +144,9 @@ class LlamaCppEngine:
         self.batch_buffer = llama_cpp.llama_batch_init(max(self.chunk, batch), 0, batch)
         self.positions: list[int] = []
 
-    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
-        """Feed ``(token, position, sequence, wants_logits)`` entries as one batch; the greedy token of each entry
-        that wants logits, in order."""
+    def _logits(self, entries: list[tuple[int, int, int, bool]]) -> list[np.ndarray]:
+        """Feed ``(token, position, sequence, wants_logits)`` entries as one batch; the logits ``[vocab]`` of each
+        entry that wants them, in order (views into llama.cpp's buffer, valid until the next batch)."""
         b = self.batch_buffer
         for i, (token, pos, seq, wants) in enumerate(entries):
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, int(wants)
@@ -154,12 +154,12 @@ class LlamaCppEngine:
         b.n_tokens = len(entries)
         if (status := self.lib.llama_decode(self.ctx, b)) != 0:
             raise RuntimeError(f"llama_decode returned {status}")
-        out = []
-        for i, entry in enumerate(entries):
-            if entry[3]:
-                logits = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
-                out.append(int(logits.argmax()))
-        return out
+        return [np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+                for i, entry in enumerate(entries) if entry[3]]
+
+    def _decode(self, entries: list[tuple[int, int, int, bool]]) -> list[int]:
+        """:meth:`_logits`' greedy tokens."""
+        return [int(logits.argmax()) for logits in self._logits(entries)]
 
     def prefill(self, rows: list[list[int]]) -> list[int]:
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
@@ -182,17 +182,10 @@ class LlamaCppEngine:
         """Next-token log-probabilities after each token of ``row`` (one sequence, from an empty cache): float64
         ``[len(row), vocab]``."""
         self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
-        b, rows = self.batch_buffer, []
+        rows = []
         for start in range(0, len(row), self.chunk):
-            piece = row[start:start + self.chunk]
-            for i, token in enumerate(piece):
-                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, start + i, 1, 1
-                b.seq_id[i][0] = 0
-            b.n_tokens = len(piece)
-            if (status := self.lib.llama_decode(self.ctx, b)) != 0:
-                raise RuntimeError(f"llama_decode returned {status}")
-            rows += [np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,)).copy()
-                     for i in range(len(piece))]
+            entries = [(token, start + i, 0, True) for i, token in enumerate(row[start:start + self.chunk])]
+            rows += [logits.copy() for logits in self._logits(entries)]
         return torch.from_numpy(np.stack(rows)).double().log_softmax(-1)
 
     def close(self) -> None:
