@@ -153,16 +153,10 @@ def compare_greedy(engines: dict, vllm, prompt: list[int], new_tokens: int) -> d
     return report
 
 
-def fp32_log_probs(directory: Path, row: list[int]) -> torch.Tensor:
-    """hybridlm's fp32 next-token log-probabilities over ``row``: the reference of :func:`kl_to_fp32`."""
-    with torch.inference_mode():
-        model = hybridlm.HybridForCausalLM.from_pretrained(directory).eval()
-        return model(torch.tensor([row])).logits[0].double().log_softmax(-1)
-
-
 def kl_to_fp32(engines: dict, reference: torch.Tensor, row: list[int]) -> dict:
-    """For hybridlm (compiled and eager share the model) and each llama.cpp engine: the mean next-token
-    KL(hybridlm fp32 || engine) over ``row`` in nats, and the share of positions whose top token is the same."""
+    """``reference``: hybridlm fp32's log-probabilities over ``row``. For hybridlm (compiled and eager share the
+    model) and each llama.cpp engine: the mean next-token KL(hybridlm fp32 || engine) over ``row`` in nats, and the
+    share of positions whose top token is the same."""
     report = {}
     for label, engine in engines.items():
         if label in ("hybridlm-eager", "transformers"):
@@ -359,7 +353,9 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         stride = 64
         ids = held_out_code(tokenizer, max(args.contexts + args.prefill) + stride * max(args.batches))
-        reference = fp32_log_probs(directory, ids[:args.kl_tokens]) if args.kl_tokens else None
+        reference = None  # hybridlm fp32's next-token log-probabilities: what kl_to_fp32 compares with
+        if args.kl_tokens:
+            reference = peers.HybridlmEngine(directory, "f32", 0, compiled=False).log_probs(ids[:args.kl_tokens])
         for precision in args.precisions if name == "smollm2" else ["f32"]:
             for threads in args.threads:
                 torch.set_num_threads(threads)

@@ -138,7 +138,7 @@ def from_config(config: HybridConfig) -> dict:
                               for i, part in blocks(config)],
         "mamba_num_heads": config.mamba2_num_heads,
         "time_step_min": config.mamba2_dt_min,
-        "time_step_limit": list(config.mamba2_dt_limit or (0.0, float("inf"))),
+        "time_step_limit": list(config.mamba2_dt_limit),
         "tie_word_embeddings": False,
         "mlp_hidden_act": "relu2",
         "mamba_hidden_act": "silu",
