@@ -113,6 +113,25 @@ def test_hybridlm_models_export_to_nemotron_h(plan, tied, tmp_path_factory):
     shutil.rmtree(directory)
 
 
+def test_export_writes_a_binding_dt_limit_that_transformers_applies(tmp_path):
+    """A dt clamp that binds goes out as ``time_step_limit`` (and ``time_step_min`` too, which transformers before
+    5.25 clamped at): transformers' logits are ours, and hybridlm reads the same limit back."""
+    config = hybridlm.HybridConfig(
+        vocab_size=VOCAB, hidden_size=32, layer_types=["mamba2", "attention"], mlp_types=["none", "dense"],
+        num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.0, mlp_activation="relu2",
+        intermediate_size=48, mamba2_head_dim=8, mamba2_d_state=8, mamba2_chunk_size=4, mamba2_dt_min=0.5,
+        mamba2_dt_max=1.0, mamba2_dt_limit=[0.5, float("inf")])
+    ours = randomize(hybridlm.HybridForCausalLM(config).eval(), seed=3)
+    unclamped = hybridlm.HybridForCausalLM(hybridlm.HybridConfig(**{**config.to_dict(), "mamba2_dt_limit": None}))
+    unclamped.load_state_dict(ours.state_dict())
+    ids = random_ids(VOCAB, 2, 10)
+    with torch.no_grad():
+        assert (ours(ids).logits - unclamped.eval()(ids).logits).abs().max() > 1e-3  # the clamp binds
+    back = check_export(ours, tmp_path, "nemotron_h")
+    assert list(back.config.time_step_limit) == [0.5, float("inf")]
+    assert hybridlm.HybridForCausalLM.from_pretrained(tmp_path).config.mamba2_dt_limit == [0.5, float("inf")]
+
+
 def test_export_names_what_does_not_fit(tmp_path):
     config = hybridlm.HybridConfig(vocab_size=VOCAB, hidden_size=32, layer_types=["attention+mamba2", "mamba",
                                                                                  "attention"],
