@@ -1,6 +1,6 @@
-"""Softmax attention with grouped key/value heads: PyTorch's SDPA on every device, except a few bf16 or fp16
-queries on the CPU, written out in fp32 (:func:`_fp32_grouped_attention`: fp32 arithmetic as in SDPA, rounded
-once, several times faster there)."""
+"""Softmax attention with grouped key/value heads: PyTorch's SDPA on every device, except a few fp16 queries on
+the CPU, or bf16 ones on a CPU without AMX-BF16, written out in fp32 (:func:`_fp32_grouped_attention`:
+fp32 arithmetic as in SDPA, rounded once, several times faster there)."""
 
 from __future__ import annotations
 
@@ -44,18 +44,32 @@ def attention_ref(
 FEW_QUERY_ROWS = 16
 
 
+#: whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and newer), which SDPA's CPU kernel uses for bf16
+#: products; AVX-512 BF16 alone (an AMD Zen 4) does not make it fast
+CPU_HAS_AMX_BF16 = bool(torch.cpu.get_capabilities().get("amx_bf16", False))
+
+
 def _few_reduced_precision_queries_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Decode steps of a bf16 or fp16 model on the CPU, where torch's SDPA kernel (flash attention for the CPU)
-    is 5-7x slower than in fp32 for a few queries over many keys (0.49 against 0.09 ms for SmolLM2's 9 heads over
-    512 keys, 1 thread; its compiled bf16 step went from 29.4 to 19.1 ms): :func:`_fp32_grouped_attention` takes
-    them."""
+    """Decode steps of a reduced-precision model on the CPU where torch's SDPA kernel (flash attention for the
+    CPU) is several times slower than :func:`_fp32_grouped_attention` for a few queries over many keys, which
+    then takes them. Measured for SmolLM2's 9 query heads over 3 key/value heads, 1 thread:
+
+    - fp16 everywhere: 0.48 against 0.31 ms over 2,048 keys on a Sapphire Rapids, 3.14 against 0.28 ms on a
+      Zen 4 EPYC;
+    - bf16 without AMX-BF16: 1.93 against 0.29 ms over 2,048 keys on the Zen 4 (AVX-512 BF16), 0.49 against
+      0.09 ms over 512 keys on an AVX2 EPYC (its compiled bf16 step went from 29.4 to 19.1 ms).
+
+    With AMX-BF16, SDPA is the faster of the two in bf16 (0.14 against 0.55 ms over 2,048 keys on the Sapphire
+    Rapids), so bf16 stays with it there."""
     rows = q.shape[1] // k.shape[1] * q.shape[2]
-    return q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) and rows <= FEW_QUERY_ROWS
+    if q.device.type != "cpu" or rows > FEW_QUERY_ROWS:
+        return False
+    return q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and not CPU_HAS_AMX_BF16)
 
 
 def _fp32_grouped_attention(q, k, v, mask, scale) -> torch.Tensor:
-    """:func:`attention_ref` on fp32 copies of ``q, k, v``, cast back once at the end: what SDPA computes for
-    reduced-precision inputs (fp32 scores, softmax and sums), as two products per key/value head. Query heads
+    """:func:`attention_ref` on fp32 copies of ``q, k, v``, cast back once at the end (fp32 scores, softmax and
+    sums), as two products per key/value head. Query heads
     ``j * group .. (j + 1) * group - 1`` share key/value head ``j`` (SDPA's ``enable_gqa``), so the queries of a
     group are rows of one product and no key or value is repeated."""
     batch, q_heads, q_len, dim = q.shape

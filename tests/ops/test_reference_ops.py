@@ -1,5 +1,7 @@
 """Each pure-PyTorch reference op against the literal recurrence, written out here one step at a time."""
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,8 @@ from hybridlm.ops.ssd import (
     ssd_chunk_scan_ref,
 )
 from tests.helpers import assert_close_rel
+
+attention_module = importlib.import_module("hybridlm.ops.attention")  # the module: hybridlm.ops.attention is its op
 
 # --- the literal recurrences ------------------------------------------------------------------------
 
@@ -423,8 +427,9 @@ def test_attention_ref_gqa_and_mask_match_softmax():
        seed=st.integers(0, 2**16))
 def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_heads_per_kv, queries, mask_kind,
                                                                               dtype, seed):
-    """A CPU bf16/fp16 attention of a few queries is written out in fp32 (SDPA's CPU kernel is several times
-    slower there): it is the exact attention of the same inputs rounded once to the model dtype."""
+    """A CPU fp16 attention of a few queries, or a bf16 one without AMX-BF16, is written out in fp32
+    (SDPA's CPU kernel is several times slower there): it is the exact attention of the same inputs rounded once
+    to the model dtype. Both cases are forced here, whatever this CPU has."""
     from hybridlm.ops.attention import FEW_QUERY_ROWS
 
     dtype = getattr(torch, dtype)
@@ -437,7 +442,9 @@ def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_h
     if mask is not None:
         mask[..., 0] = True
     assert q.shape[1] // kv_heads * queries <= FEW_QUERY_ROWS
-    out = attention_ref(q, k, v, mask=mask, scale=0.3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_module, "CPU_HAS_AMX_BF16", False)
+        out = attention_ref(q, k, v, mask=mask, scale=0.3)
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
                                            enable_gqa=True)
     assert out.dtype == dtype and exact.abs().max() > 0.1
@@ -451,10 +458,27 @@ def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_h
                        F.scaled_dot_product_attention(many, keys, keys, enable_gqa=True))
 
 
+@pytest.mark.parametrize("amx_bf16", [True, False])
+def test_cpu_decode_attention_takes_sdpa_only_where_its_kernel_is_fast(amx_bf16, monkeypatch):
+    """With AMX-BF16, a bf16 decode attention is SDPA's own (bit for bit); fp16, and bf16 without
+    AMX-BF16, take the fp32 written-out attention, which differs from SDPA's rounding on these inputs."""
+    monkeypatch.setattr(attention_module, "CPU_HAS_AMX_BF16", amx_bf16)
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.randn(1, 6, 1, 64, generator=g).to(dtype)
+        k, v = (torch.randn(1, 2, 300, 64, generator=g).to(dtype) for _ in range(2))
+        sdpa = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        fp32 = attention_module._fp32_grouped_attention(q, k, v, None, None)
+        assert not torch.equal(sdpa, fp32)  # the inputs tell the two apart
+        expected = sdpa if dtype == torch.bfloat16 and amx_bf16 else fp32
+        assert torch.equal(attention_ref(q, k, v), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_compiled_reduced_precision_decode_attention_is_fp32_sdpa_rounded_once(dtype):
+def test_compiled_reduced_precision_decode_attention_is_fp32_sdpa_rounded_once(dtype, monkeypatch):
     """Compiled (as in a compiled decode step), the written-out attention is still the exact attention of its inputs
     rounded once."""
+    monkeypatch.setattr(attention_module, "CPU_HAS_AMX_BF16", False)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)  # 3 query heads per key/value head, one query
     k, v = (torch.randn(2, 2, 41, 16, generator=g).to(dtype) for _ in range(2))
