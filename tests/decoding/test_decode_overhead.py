@@ -285,6 +285,31 @@ def test_a_compiled_step_skips_dynamo_for_a_layout_only_after_a_guarded_step_com
         assert_close_rel(step(ids[1:, 9], one_row), decode_logits(model, ids[1:, 9:10], rows), rel=1e-6)
 
 
+def test_alternating_layouts_each_run_their_own_trusted_code():
+    """The step keeps the last layout it ran and compares the next with it before looking it up: a layout that
+    repeats right after it became trusted, or that takes turns with another (a batch and one of its rows), runs
+    its own trusted code, without dynamo, and decodes what the step's function does."""
+    model = tiny_model(layer_pattern="SA", mlp_types=["none", "none"])
+    step = DecodeStep(model, compile=True, backend="eager")
+    ids = random_ids(2, 12)
+    batch = model.new_cache(2, max_length=12, static=True)
+    with torch.no_grad():
+        model(ids[:, :4], cache=batch)
+        row = batch.select(torch.tensor([1]))
+        for t in (4, 5):
+            step(ids[:, t], batch)
+            step(ids[1:, t], row)  # trusted at t = 5: it ran guarded without compiling
+        step(ids[:, 6], batch)  # trusted now (dynamo compiled the batch's layout twice)
+        guarded = []
+        compile_and_run = step._compile_and_run
+        step._compile_and_run = lambda *args: guarded.append(args) or compile_and_run(*args)
+        for t, rows, cache in ((7, slice(0, 2), batch), (8, slice(0, 2), batch), (6, slice(1, 2), row),
+                               (7, slice(1, 2), row), (9, slice(0, 2), batch)):
+            expected = decode_logits(model, ids[rows, t:t + 1], cache.snapshot())
+            assert_close_rel(step(ids[rows, t], cache), expected, rel=1e-6)
+    assert not guarded
+
+
 def test_a_model_made_under_inference_mode_compiles_without_freezing():
     """Its weights are inference tensors, which keep no version counter: they stay graph inputs."""
     with torch.inference_mode():
