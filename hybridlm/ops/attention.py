@@ -44,9 +44,16 @@ def attention_ref(
 FEW_QUERY_ROWS = 16
 
 
-#: whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and newer), which SDPA's CPU kernel uses for bf16
-#: products; AVX-512 BF16 alone (an AMD Zen 4) does not make it fast
-CPU_HAS_AMX_BF16 = bool(torch.cpu.get_capabilities().get("amx_bf16", False))
+def _cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and newer), which SDPA's CPU kernel uses for
+    bf16 products; AVX-512 BF16 alone (an AMD Zen 4) does not make it fast. A torch without
+    ``torch.cpu.get_capabilities`` (older than the one this was measured on) answers False: bf16 decode then
+    takes the written-out attention, which is as exact, and slower only on AMX CPUs."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    return capabilities is not None and bool(capabilities().get("amx_bf16", False))
+
+
+CPU_HAS_AMX_BF16 = _cpu_has_amx_bf16()
 
 
 def _few_reduced_precision_queries_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:

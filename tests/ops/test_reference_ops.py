@@ -474,6 +474,16 @@ def test_cpu_decode_attention_takes_sdpa_only_where_its_kernel_is_fast(amx_bf16,
         assert torch.equal(attention_ref(q, k, v), expected)
 
 
+def test_amx_bf16_is_read_from_torchs_cpu_capabilities_and_is_false_without_them(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": True, "avx512_bf16": True},
+                        raising=False)
+    assert attention_module._cpu_has_amx_bf16()
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": False, "avx512_bf16": True})
+    assert not attention_module._cpu_has_amx_bf16()
+    monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch
+    assert not attention_module._cpu_has_amx_bf16()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_reduced_precision_decode_attention_is_fp32_sdpa_rounded_once(dtype, monkeypatch):
     """Compiled (as in a compiled decode step), the written-out attention is still the exact attention of its inputs
