@@ -55,6 +55,7 @@ def main() -> None:
         for block in range(args.blocks):
             name = list(ways)[block % 2]
             step._direct[layout] = ways[name]
+            step._last = (layout, ways[name])  # the step reads its last layout's code before the lookup
             if cache.seen + BLOCK > args.capacity:
                 cache.restore(prompt)
             for _ in range(BLOCK):
