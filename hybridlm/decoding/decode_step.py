@@ -25,6 +25,7 @@ from torch._dynamo.utils import counters
 from hybridlm.cache import HybridCache
 from hybridlm.cache.states import layout_of
 from hybridlm.model.modeling import check_float16_range
+from hybridlm.ops.attention import CPU_HAS_AMX_BF16
 from hybridlm.ops.backends import in_use_backend_block
 
 _VERSION = operator.attrgetter("_version")
@@ -50,8 +51,10 @@ class DecodeStep:
     ``"reduce-overhead"`` (CUDA graphs) on CUDA. On a CPU it is inductor's default with its C++ matmul templates
     in place of the BLAS calls (:data:`CPU_GEMM_TEMPLATES`): a decode step multiplies a few rows by each frozen
     weight, where the templates are 1.7-1.8x faster than MKL on a small model or SmolLM2-135M at batch 1 and
-    even at batch 16, for a compile about 1.5x as long (docs/performance.md). Where a template cannot take a
-    product (weights that are graph inputs, e.g. inference tensors) the compile fails at that product; the step
+    even at batch 16, for a compile about 1.5x as long (docs/performance.md); not for a bf16 step of several
+    rows on a CPU without AMX-BF16, where they are slower than oneDNN (:meth:`_settings_for`). Where a template
+    cannot take a product (weights that are graph inputs, e.g. inference tensors) the compile fails at that
+    product; the step
     then compiles once more without templates (``gemm_templates`` turns False). ``mode="default"`` never uses
     them; ``"max-autotune-no-cudagraphs"`` times templates against MKL for each shape and keeps the faster, for a
     compile about twice as long again. A compiled step needs a static cache:
@@ -116,8 +119,22 @@ class DecodeStep:
 
     def _compile_and_run(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         # inductor reads these where torch.compile's ``options`` do not reach (its freezing pass); the patch does
-        with torch._inductor.config.patch(self._inductor_settings):
+        with torch._inductor.config.patch(self._settings_for(tokens)):
             return self._logits(self.model, tokens[:, None], cache)
+
+    def _settings_for(self, tokens: torch.Tensor) -> dict:
+        """The inductor settings of a step of ``tokens``: without the C++ GEMM templates where they would be
+        slower than oneDNN, i.e. plain bf16 weights, several rows, a CPU without AMX-BF16 (no bf16 dot product in
+        the template). On a Zen 4 (AVX-512 BF16), SmolLM2's 576 x 1,536 product took 68 us against oneDNN's 77
+        for one row, but 107 against 79 for two and 954 against 179 for 16; SmolLM2's bf16 step at batch 16 went
+        from 198 ms to 61 with this (eager: 104). fp16 and fp32 templates stay faster at 16 rows; int8 weights
+        keep theirs (unmeasured)."""
+        slower = (self.gemm_templates and tokens.shape[0] > 1 and not CPU_HAS_AMX_BF16
+                  and self.model.lm_head.weight.dtype == torch.bfloat16
+                  and all(type(weight.data) is torch.Tensor for weight in self.model.parameters()))
+        if not slower:
+            return self._inductor_settings
+        return {key: value for key, value in self._inductor_settings.items() if key not in CPU_GEMM_TEMPLATES}
 
     def _weights_state(self) -> tuple[list[int], list[int]]:
         """Every weight's version (an in-place change) and data pointer (``weight.data = ...``, which keeps the
