@@ -54,11 +54,10 @@ class DecodeStep:
     even at batch 16, for a compile about 1.5x as long (docs/performance.md); not for a bf16 step of several
     rows on a CPU without AMX-BF16, where they are slower than oneDNN (:meth:`_settings_for`). Where a template
     cannot take a product (weights that are graph inputs, e.g. inference tensors) the compile fails at that
-    product; the step
-    then compiles once more without templates (``gemm_templates`` turns False). ``mode="default"`` never uses
-    them; ``"max-autotune-no-cudagraphs"`` times templates against MKL for each shape and keeps the faster, for a
-    compile about twice as long again. A compiled step needs a static cache:
-    with a growing one every step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels
+    product; the step then compiles once more without templates (``gemm_templates`` turns False). ``mode="default"``
+    never uses them; ``"max-autotune-no-cudagraphs"`` times templates against MKL for each shape and keeps the
+    faster, for a compile about twice as long again. A compiled step needs a static cache: with a growing one every
+    step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels
     (compiled code cannot read a ``use_backend`` block, so it refuses to run inside one).
 
     The compiled step is specialised to the model's weights and to each cache layout it meets, which is what
