@@ -167,13 +167,19 @@ def kl_to_fp32(engines: dict, reference: torch.Tensor, row: list[int]) -> dict:
     return report
 
 
+def turn_order(engines: dict, turn: int) -> list[str]:
+    """The engines' labels in the order they run at ``turn``: reversed every other turn, so that none is always
+    the one that runs right after a given other."""
+    return list(engines) if turn % 2 == 0 else list(reversed(engines))
+
+
 def time_prefill(engines: dict, vllm, rows: list[int], rounds: int) -> dict:
     """Seconds per prefill of ``rows``, the engines taking turns, in reversed order every other round: in a fixed
     order, the first engine (hybridlm compiled) measured 3-8% slower than the eager one, the same forward on the
     same weights, in every earlier run."""
     times = {label: [] for label in [*engines, *(["vllm"] if vllm else [])]}
     for round_ in range(rounds + 1):  # the first round warms up
-        for label in list(engines) if round_ % 2 == 0 else list(reversed(engines)):
+        for label in turn_order(engines, round_):
             start = time.perf_counter()
             engines[label].prefill([rows])
             times[label].append(time.perf_counter() - start)
@@ -189,7 +195,7 @@ def time_decode(engines: dict, vllm, rows: list[list[int]], args) -> dict:
     times = {label: [] for label in engines}
     total = args.warmup + args.steps
     for block, first in enumerate(range(0, total, args.block)):
-        for label in list(engines) if block % 2 == 0 else list(reversed(engines)):
+        for label in turn_order(engines, block):
             for index in range(first, min(first + args.block, total)):
                 start = time.perf_counter()
                 tokens[label] = engines[label].step(tokens[label])

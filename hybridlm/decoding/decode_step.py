@@ -57,8 +57,8 @@ class DecodeStep:
     product; the step then compiles once more without templates (``gemm_templates`` turns False). ``mode="default"``
     never uses them; ``"max-autotune-no-cudagraphs"`` times templates against MKL for each shape and keeps the
     faster, for a compile about twice as long again. A compiled step needs a static cache: with a growing one every
-    step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels
-    (compiled code cannot read a ``use_backend`` block, so it refuses to run inside one).
+    step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels (compiled code cannot read a
+    ``use_backend`` block, so it refuses to run inside one).
 
     The compiled step is specialised to the model's weights and to each cache layout it meets, which is what
     makes a small model's step cheap (about 15% of a batch-1 step on CPU, ``benchmarks/decode_speed.py``):
@@ -66,8 +66,8 @@ class DecodeStep:
     * the weights are constants of the compiled code (inductor's ``freezing``: folded, prepacked for the CPU's
       matmuls; on CPU the graph's wrapper is C++, ``cpp_wrapper``). Before each step it reads every weight's
       version counter and storage (about 25 us for Mamba-2's peer model's 75, the weights having just left the
-      caches) and recompiles when one changed (an in-place update, a reload,
-      ``model.to(dtype)``) or when a submodule, parameter or buffer was assigned anew (:class:`StructureWatch`);
+      caches) and recompiles when one changed (an in-place update, a reload, ``model.to(dtype)``) or when a
+      submodule, parameter or buffer was assigned anew (:class:`StructureWatch`);
     * once a step of a layout (token batch, cache signature, capacity and policy, state kinds, grad mode) has run
       through dynamo's guards without compiling, the layout's later steps skip dynamo altogether: they call the
       code dynamo made for the cache entry whose guards held (:func:`guarded_code`), which reads the cache's

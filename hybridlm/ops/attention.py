@@ -1,6 +1,6 @@
 """Softmax attention with grouped key/value heads: PyTorch's SDPA on every device, except a few fp16 queries on
 the CPU, or bf16 ones on a CPU without AMX-BF16, written out in fp32 (:func:`_fp32_grouped_attention`:
-fp32 arithmetic as in SDPA, rounded once, several times faster there)."""
+fp32 arithmetic rounded once, several times faster there)."""
 
 from __future__ import annotations
 
