@@ -74,22 +74,35 @@ def _few_reduced_precision_queries_on_cpu(q: torch.Tensor, k: torch.Tensor) -> b
     return q.dtype == torch.float16 or (q.dtype == torch.bfloat16 and not CPU_HAS_AMX_BF16)
 
 
+#: keys whose fp32 copies :func:`_fp32_grouped_attention` makes at a time, and the most such pieces it cuts the
+#: keys into (longer pieces beyond that, so a compiled graph stays small). One fp32 copy of a whole long cache is
+#: a fresh allocation of its own (mapped and faulted in on every call) and a pass through memory: at batch 16 over
+#: 8,192 bf16 keys, SmolLM2's heads took 160 ms a layer copied whole, 28 ms in pieces of 1,024, as fast as an fp32
+#: cache (AVX2 EPYC, compiled, 1 thread; docs/performance.md).
+FP32_KEY_CHUNK = 1024
+MAX_KEY_CHUNKS = 16
+
+
 def _fp32_grouped_attention(q, k, v, mask, scale) -> torch.Tensor:
     """:func:`attention_ref` on fp32 copies of ``q, k, v``, cast back once at the end (fp32 scores, softmax and
-    sums), as two products per key/value head. Query heads
-    ``j * group .. (j + 1) * group - 1`` share key/value head ``j`` (SDPA's ``enable_gqa``), so the queries of a
-    group are rows of one product and no key or value is repeated."""
+    sums), as products per key/value head. Query heads ``j * group .. (j + 1) * group - 1`` share key/value head
+    ``j`` (SDPA's ``enable_gqa``), so the queries of a group are rows of one product and no key or value is
+    repeated. The keys and values are copied to fp32 a piece at a time (:data:`FP32_KEY_CHUNK`)."""
     batch, q_heads, q_len, dim = q.shape
     kv_heads, k_len = k.shape[1], k.shape[2]
     rows = q_heads // kv_heads * q_len
     queries = q.float().reshape(batch, kv_heads, rows, dim)
-    scores = torch.matmul(queries, k.float().transpose(-1, -2))  # [batch, kv_heads, rows, k_len]
+    chunk = max(FP32_KEY_CHUNK, -(-k_len // MAX_KEY_CHUNKS))
+    starts = range(0, k_len, chunk)
+    scores = torch.cat([torch.matmul(queries, k[:, :, i:i + chunk].float().transpose(-1, -2)) for i in starts],
+                       -1)  # [batch, kv_heads, rows, k_len]
     scores = scores * (scale if scale is not None else dim ** -0.5)
     if mask is not None:
         allowed = mask.expand(batch, q_heads, q_len, k_len).reshape(batch, kv_heads, rows, k_len)
         scores = scores.masked_fill(~allowed, -torch.inf)
-    out = torch.matmul(scores.softmax(-1), v.float())  # [batch, kv_heads, rows, dim]
-    return out.reshape(batch, q_heads, q_len, v.shape[-1]).to(q.dtype)
+    probs = scores.softmax(-1)
+    out = sum(torch.matmul(probs[..., i:i + chunk], v[:, :, i:i + chunk].float()) for i in starts)
+    return out.reshape(batch, q_heads, q_len, v.shape[-1]).to(q.dtype)  # out: [batch, kv_heads, rows, dim]
 
 
 def _same_sequence(q, k, seq_idx, mask, causal) -> torch.Tensor:

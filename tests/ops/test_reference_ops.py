@@ -424,12 +424,13 @@ def test_attention_ref_gqa_and_mask_match_softmax():
 
 @given(q_heads_per_kv=st.sampled_from([1, 3]), queries=st.sampled_from([1, 2, 5]),
        mask_kind=st.sampled_from(["none", "shared", "per_head"]), dtype=st.sampled_from(["bfloat16", "float16"]),
-       seed=st.integers(0, 2**16))
+       key_chunk=st.sampled_from([1024, 8, 1]), seed=st.integers(0, 2**16))
 def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_heads_per_kv, queries, mask_kind,
-                                                                              dtype, seed):
+                                                                              dtype, key_chunk, seed):
     """A CPU fp16 attention of a few queries, or a bf16 one without AMX-BF16, is written out in fp32
     (SDPA's CPU kernel is several times slower there): it is the exact attention of the same inputs rounded once
-    to the model dtype. Both cases are forced here, whatever this CPU has."""
+    to the model dtype, whether the keys are copied to fp32 whole or in pieces (37 keys: 1 piece, 5 pieces of 8,
+    or at most ``MAX_KEY_CHUNKS`` = 4 pieces of 10). Both cases are forced here, whatever this CPU has."""
     from hybridlm.ops.attention import FEW_QUERY_ROWS
 
     dtype = getattr(torch, dtype)
@@ -444,6 +445,8 @@ def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_h
     assert q.shape[1] // kv_heads * queries <= FEW_QUERY_ROWS
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention_module, "CPU_HAS_AMX_BF16", False)
+        patch.setattr(attention_module, "FP32_KEY_CHUNK", key_chunk)
+        patch.setattr(attention_module, "MAX_KEY_CHUNKS", 4)
         out = attention_ref(q, k, v, mask=mask, scale=0.3)
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
                                            enable_gqa=True)
@@ -474,6 +477,27 @@ def test_cpu_decode_attention_takes_sdpa_only_where_its_kernel_is_fast(amx_bf16,
         assert torch.equal(attention_ref(q, k, v), expected)
 
 
+@pytest.mark.parametrize(("key_chunk", "most", "pieces"), [(1024, 16, 1), (8, 16, 5), (1, 4, 4), (37, 16, 1)])
+def test_written_out_attention_copies_the_keys_to_fp32_in_pieces(key_chunk, most, pieces, monkeypatch):
+    """37 keys in pieces of ``FP32_KEY_CHUNK``, at most ``MAX_KEY_CHUNKS`` of them: one product of the queries
+    with each piece's keys and one of the probabilities with its values, summed; equal to the whole copy up to
+    fp32's summation order."""
+    monkeypatch.setattr(attention_module, "FP32_KEY_CHUNK", key_chunk)
+    monkeypatch.setattr(attention_module, "MAX_KEY_CHUNKS", most)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 6, 1, 16, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 37, 16, generator=g).bfloat16() for _ in range(2))
+    products, matmul = [], torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: products.append(b.shape[-2:]) or matmul(a, b))
+    out = attention_module._fp32_grouped_attention(q, k, v, None, 0.3)
+    monkeypatch.undo()
+    assert len(products) == 2 * pieces and sum(shape[-1] for shape in products[:pieces]) == 37
+    whole = attention_module._fp32_grouped_attention(q, k, v, None, 0.3)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(out.double(), exact, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-6)
+    assert (out.float() - whole.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max()
+
+
 def test_amx_bf16_is_read_from_torchs_cpu_capabilities_and_is_false_without_them(monkeypatch):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": True, "avx512_bf16": True},
                         raising=False)
@@ -487,8 +511,9 @@ def test_amx_bf16_is_read_from_torchs_cpu_capabilities_and_is_false_without_them
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compiled_reduced_precision_decode_attention_is_fp32_sdpa_rounded_once(dtype, monkeypatch):
     """Compiled (as in a compiled decode step), the written-out attention is still the exact attention of its inputs
-    rounded once."""
+    rounded once, its keys copied to fp32 in pieces."""
     monkeypatch.setattr(attention_module, "CPU_HAS_AMX_BF16", False)
+    monkeypatch.setattr(attention_module, "FP32_KEY_CHUNK", 16)  # 41 keys in 3 pieces
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 6, 1, 16, generator=g).to(dtype)  # 3 query heads per key/value head, one query
     k, v = (torch.randn(2, 2, 41, 16, generator=g).to(dtype) for _ in range(2))
