@@ -4,6 +4,8 @@ fp32 arithmetic rounded once, several times faster there)."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -94,14 +96,15 @@ def _fp32_grouped_attention(q, k, v, mask, scale) -> torch.Tensor:
     queries = q.float().reshape(batch, kv_heads, rows, dim)
     chunk = max(FP32_KEY_CHUNK, -(-k_len // MAX_KEY_CHUNKS))
     starts = range(0, k_len, chunk)
-    scores = torch.cat([torch.matmul(queries, k[:, :, i:i + chunk].float().transpose(-1, -2)) for i in starts],
-                       -1)  # [batch, kv_heads, rows, k_len]
+    pieces = [torch.matmul(queries, k[:, :, i:i + chunk].float().transpose(-1, -2)) for i in starts]
+    scores = pieces[0] if len(pieces) == 1 else torch.cat(pieces, -1)  # [batch, kv_heads, rows, k_len]
     scores = scores * (scale if scale is not None else dim ** -0.5)
     if mask is not None:
         allowed = mask.expand(batch, q_heads, q_len, k_len).reshape(batch, kv_heads, rows, k_len)
         scores = scores.masked_fill(~allowed, -torch.inf)
     probs = scores.softmax(-1)
-    out = sum(torch.matmul(probs[..., i:i + chunk], v[:, :, i:i + chunk].float()) for i in starts)
+    out = functools.reduce(torch.add, (torch.matmul(probs[..., i:i + chunk], v[:, :, i:i + chunk].float())
+                                       for i in starts))
     return out.reshape(batch, q_heads, q_len, v.shape[-1]).to(q.dtype)  # out: [batch, kv_heads, rows, dim]
 
 

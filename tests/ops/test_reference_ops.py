@@ -496,6 +496,10 @@ def test_written_out_attention_copies_the_keys_to_fp32_in_pieces(key_chunk, most
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3, enable_gqa=True)
     torch.testing.assert_close(out.double(), exact, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-6)
     assert (out.float() - whole.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max()
+    if pieces == 1:  # the operations of a single fp32 copy, bit for bit
+        queries = q.float().reshape(2, 2, 3, 16)
+        one_copy = torch.matmul((torch.matmul(queries, k.float().transpose(-1, -2)) * 0.3).softmax(-1), v.float())
+        assert torch.equal(out, one_copy.reshape(2, 6, 1, 16).bfloat16())
 
 
 def test_amx_bf16_is_read_from_torchs_cpu_capabilities_and_is_false_without_them(monkeypatch):
