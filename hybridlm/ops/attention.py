@@ -78,9 +78,9 @@ def _few_reduced_precision_queries_on_cpu(q: torch.Tensor, k: torch.Tensor) -> b
 
 #: keys whose fp32 copies :func:`_fp32_grouped_attention` makes at a time, and the most such pieces it cuts the
 #: keys into (longer pieces beyond that, so a compiled graph stays small). One fp32 copy of a whole long cache is
-#: a fresh allocation of its own (mapped and faulted in on every call) and a pass through memory: at batch 16 over
-#: 8,192 bf16 keys, SmolLM2's heads took 160 ms a layer copied whole, 28 ms in pieces of 1,024, as fast as an fp32
-#: cache (AVX2 EPYC, compiled, 1 thread; docs/performance.md).
+#: a fresh buffer of many megabytes on every call, written and read back through memory: at batch 16 over 8,192
+#: bf16 keys, SmolLM2's heads took 159 ms a layer copied whole and 32 ms in pieces of 1,024, an fp32 cache 36 ms
+#: (medians; AVX2 EPYC, compiled, 1 thread; benchmarks/cpu_attention.py, docs/performance.md).
 FP32_KEY_CHUNK = 1024
 MAX_KEY_CHUNKS = 16
 
