@@ -494,6 +494,7 @@ def test_written_out_attention_copies_the_keys_to_fp32_in_pieces(key_chunk, most
     assert len(products) == 2 * pieces and sum(shape[-1] for shape in products[:pieces]) == 37
     whole = attention_module._fp32_grouped_attention(q, k, v, None, 0.3)
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), scale=0.3, enable_gqa=True)
+    assert exact.abs().max() > 0.1
     torch.testing.assert_close(out.double(), exact, rtol=torch.finfo(torch.bfloat16).eps, atol=1e-6)
     assert (out.float() - whole.float()).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * exact.abs().max()
     if pieces == 1:  # the operations of a single fp32 copy, bit for bit
