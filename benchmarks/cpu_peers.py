@@ -23,10 +23,18 @@ Measured for each model, precision and thread count:
 * greedy tokens (batch 1, ``--new-tokens`` after 64 held-out tokens) of every engine against hybridlm's, and at
   the first difference hybridlm's margin between its top two logits (a near tie explains a flip);
 * prefill tok/s at ``--prefill`` lengths, batch 1, the engines taking turns for ``--rounds`` rounds;
-* decode ms/token at each ``--contexts`` and ``--batches`` (rows of held-out code), after ``--warmup`` steps, the
-  stepped engines (hybridlm compiled and eager, transformers for the ``--transformers`` models, llama.cpp)
-  taking turns every ``--block`` steps; vLLM, which runs in its own process and is not stepped, as (time of
-  1 + n tokens - time of 1 token) / n per round.
+* decode ms/token at each ``--contexts`` and ``--batches`` (rows of held-out code) of the stepped engines
+  (hybridlm compiled and eager, transformers for the ``--transformers`` models, llama.cpp); vLLM, which is not
+  stepped, as (time of 1 + n tokens - time of 1 token) / n per round.
+
+How the engines take turns (``--turns``):
+
+* ``whole`` (the default): each engine in a process of its own (``engine_worker.py``), running ``--warmup``
+  untimed and ``--steps`` timed steps in one turn, for ``--rounds`` rounds. While one runs, the others wait on a
+  pipe, so no other engine's threads (torch's OpenMP pool, llama.cpp's own) share its process or its cores;
+* ``blocks``: all engines in this process, each running ``--block`` steps in turn after ``--warmup`` steps in
+  all: the finest interleaving, but at 2 threads a switch between thread pools costs the engine that comes next
+  (docs/performance.md, session 33).
 
 Every time is printed as min / median; the ratios are medians, other engine / hybridlm compiled (> 1: hybridlm is
 faster). An engine that is not built is skipped with the command that builds it.
@@ -35,12 +43,12 @@ faster). An engine that is not built is skipped with the command that builds it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -123,32 +131,19 @@ def summary(times: list[float]) -> tuple[float, float]:
     return min(times), statistics.median(times)
 
 
-def greedy(engine, prompt: list[int], new_tokens: int) -> list[int]:
-    tokens = engine.prefill([prompt])
-    while len(tokens) < new_tokens:
-        tokens += engine.step(tokens[-1:])
-    return tokens
-
-
-@torch.inference_mode()
-def top_two_margin(model, prompt: list[int], tokens: list[int], index: int) -> float:
-    """hybridlm's gap between its two largest logits where it chose ``tokens[index]``."""
-    logits = model(torch.tensor([prompt + tokens[:index]])).logits[0, -1].float()
-    top = logits.topk(2).values
-    return float(top[0] - top[1])
-
-
 def compare_greedy(engines: dict, vllm, prompt: list[int], new_tokens: int) -> dict:
-    reference = greedy(engines["hybridlm"], prompt, new_tokens)
+    """Each engine's greedy tokens against hybridlm compiled's, and at the first difference hybridlm's margin
+    between its top two logits there."""
+    reference = engines["hybridlm"].greedy(prompt, new_tokens)
     report = {}
-    others = {label: greedy(engine, prompt, new_tokens) for label, engine in engines.items() if label != "hybridlm"}
+    others = {label: engine.greedy(prompt, new_tokens) for label, engine in engines.items() if label != "hybridlm"}
     if vllm is not None:
         others["vllm"] = vllm.greedy([prompt], new_tokens)[0]
     for label, tokens in others.items():
         differ = [i for i, (a, b) in enumerate(zip(reference, tokens)) if a != b]
         entry = {"same": len(differ) == 0, "first_difference": differ[0] if differ else None}
         if differ:
-            entry["hybridlm_top2_margin"] = top_two_margin(engines["hybridlm"].model, prompt, reference, differ[0])
+            entry["hybridlm_top2_margin"] = engines["hybridlm"].top_two_margin(prompt, reference, differ[0])
         report[label] = entry
     return report
 
@@ -180,27 +175,34 @@ def time_prefill(engines: dict, vllm, rows: list[int], rounds: int) -> dict:
     times = {label: [] for label in [*engines, *(["vllm"] if vllm else [])]}
     for round_ in range(rounds + 1):  # the first round warms up
         for label in turn_order(engines, round_):
-            start = time.perf_counter()
-            engines[label].prefill([rows])
-            times[label].append(time.perf_counter() - start)
+            times[label].append(engines[label].prefill_seconds([rows]))
         if vllm is not None:
             times["vllm"].append(vllm.timed([rows], 1))
     return {label: summary(t[1:]) for label, t in times.items()}
 
 
-def time_decode(engines: dict, vllm, rows: list[list[int]], args) -> dict:
-    """ms/token per engine at ``rows``' context and batch: each stepped engine runs ``--block`` steps in turn (the
-    order reversed every other block), so load on the machine reaches them alike."""
-    tokens = {label: engine.prefill(rows) for label, engine in engines.items()}
-    times = {label: [] for label in engines}
+def decode_turns(args) -> list[tuple[int, int]]:
+    """(untimed, timed) steps of each engine's turns: ``--rounds`` whole runs, or ``--block`` steps at a time."""
+    if args.turns == "whole":
+        return [(args.warmup, args.steps)] * args.rounds
     total = args.warmup + args.steps
-    for block, first in enumerate(range(0, total, args.block)):
-        for label in turn_order(engines, block):
-            for index in range(first, min(first + args.block, total)):
-                start = time.perf_counter()
-                tokens[label] = engines[label].step(tokens[label])
-                if index >= args.warmup:
-                    times[label].append(1000 * (time.perf_counter() - start))
+    turns = []
+    for first in range(0, total, args.block):
+        length = min(args.block, total - first)
+        untimed = min(max(args.warmup - first, 0), length)
+        turns.append((untimed, length - untimed))
+    return turns
+
+
+def time_decode(engines: dict, vllm, rows: list[list[int]], args) -> dict:
+    """ms/token per engine at ``rows``' context and batch: the stepped engines take turns (:func:`decode_turns`,
+    the order reversed every other turn), so load on the machine reaches them alike."""
+    for engine in engines.values():
+        engine.begin(rows)
+    times = {label: [] for label in engines}
+    for turn, (untimed, timed) in enumerate(decode_turns(args)):
+        for label in turn_order(engines, turn):
+            times[label] += engines[label].decode_ms(untimed, timed)
     result = {label: summary(t) for label, t in times.items()}
     if vllm is not None:
         n = args.vllm_tokens
@@ -209,26 +211,31 @@ def time_decode(engines: dict, vllm, rows: list[list[int]], args) -> dict:
     return result
 
 
-def make_engines(llama_cpp, name: str, directory: Path, precision: str, threads: int, max_length: int,
+def make_engines(with_llama_cpp: bool, name: str, directory: Path, precision: str, threads: int, max_length: int,
                  batch: int, args) -> dict:
-    """hybridlm compiled and eager, transformers where asked, and llama.cpp at each GGUF type of ``precision``."""
+    """hybridlm compiled and eager, transformers where asked, and llama.cpp at each GGUF type of ``precision``:
+    each in a worker process of its own for ``--turns whole``, else in this one."""
     headroom = max_length - max(args.contexts + args.prefill)
-    engines = {"hybridlm": peers.HybridlmEngine(directory, precision, headroom, compiled=True,
-                                                mode=args.compile_mode),
-               "hybridlm-eager": peers.HybridlmEngine(directory, precision, headroom, compiled=False)}
+    hybridlm_spec = {"kind": "hybridlm", "directory": str(directory), "dtype": precision, "headroom": headroom}
+    specs = {"hybridlm": {**hybridlm_spec, "compiled": True, "mode": args.compile_mode}}
+    if not args.no_eager:
+        specs["hybridlm-eager"] = {**hybridlm_spec, "compiled": False}
     if name in args.transformers and precision in TORCH_PRECISIONS:
-        engines["transformers"] = peers.TransformersEngine(directory, precision)
-    if llama_cpp is not None:
+        specs["transformers"] = {"kind": "transformers", "directory": str(directory), "dtype": precision}
+    if with_llama_cpp:
         for outtype in GGUF_TYPES[precision]:
             # llama.cpp 0.3.36's AMX buffers crash (SIGSEGV) on a batch of several Q8_0 tokens: prefill included
             no_amx = outtype == "q8_0" and peers.cpu_has_amx()
             if no_amx:
                 print("  llama.cpp Q8_0 runs without its AMX buffers here (they crash on a multi-token batch); "
                       "its batch-1 decode with them: docs/performance.md", flush=True)
-            engines[f"llama.cpp-{outtype}"] = peers.LlamaCppEngine(
-                llama_cpp, gguf_file(name, directory, outtype), threads, max_length, batch,
-                f32_cache=precision == "f32", extra_buffers=not no_amx)
-    return engines
+            specs[f"llama.cpp-{outtype}"] = {
+                "kind": "llama.cpp", "gguf": str(gguf_file(name, directory, outtype)), "threads": threads,
+                "max_length": max_length, "batch": batch, "f32_cache": precision == "f32",
+                "extra_buffers": not no_amx}
+    if args.turns == "whole":
+        return {label: peers.RemoteEngine(spec, threads, label) for label, spec in specs.items()}
+    return {label: peers.build(spec) for label, spec in specs.items()}
 
 
 def close(engines: dict) -> None:
@@ -322,10 +329,16 @@ def parse_args() -> argparse.Namespace:
                         help="held-out tokens for each engine's next-token KL to hybridlm fp32 (0: skip it)")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=48)
-    parser.add_argument("--block", type=int, default=8, help="steps an engine runs before the next takes its turn")
-    parser.add_argument("--rounds", type=int, default=3, help="prefill rounds, and vLLM's decode rounds")
+    parser.add_argument("--turns", choices=["whole", "blocks"], default="whole",
+                        help="whole: each engine in its own process runs all its steps in each of --rounds turns; "
+                        "blocks: all in this process, --block steps at a time")
+    parser.add_argument("--block", type=int, default=8, help="--turns blocks: steps an engine runs before the next "
+                        "takes its turn")
+    parser.add_argument("--rounds", type=int, default=3, help="prefill rounds, vLLM's decode rounds, and the decode "
+                        "rounds of --turns whole")
     parser.add_argument("--vllm-tokens", type=int, default=32)
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--no-eager", action="store_true", help="leave hybridlm's eager decode out")
     parser.add_argument("--transformers", nargs="*", default=["smollm2"], choices=list(EXPORTS),
                         help="models also run in transformers (f32 and bf16; default: smollm2)")
     parser.add_argument("--compile-mode", help="torch.compile mode of hybridlm's compiled step (default: "
@@ -348,14 +361,16 @@ def main() -> None:
         return
     from transformers import AutoTokenizer
 
-    llama_cpp = peers.load_llama_cpp()
-    if llama_cpp is None:
+    with_llama_cpp = peers.llama_cpp_built()
+    if not with_llama_cpp:
         print(f"llama.cpp is not built in {peers.PEERS_DIR}: skipping it (build it with `{peers.SETUP}`)")
     with_vllm = not args.no_vllm and peers.VLLM_PYTHON.is_file()
     if not args.no_vllm and not with_vllm:
         print(f"vLLM is not installed in {peers.VLLM_PYTHON.parent.parent}: skipping it (`{peers.SETUP}`)")
-    print(f"torch {torch.__version__}; contexts {args.contexts}, batches {args.batches}; {args.warmup} warm-up + "
-          f"{args.steps} timed steps in blocks of {args.block}", flush=True)
+    turns = decode_turns(args)
+    print(f"torch {torch.__version__}; contexts {args.contexts}, batches {args.batches}; decode turns (untimed, "
+          f"timed steps) {turns}, each engine {'in its own process' if args.turns == 'whole' else 'in this one'}",
+          flush=True)
     results = []
     for name in args.models:
         directory = export_dir(name)
@@ -369,8 +384,10 @@ def main() -> None:
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 record = {"model": name, "format": EXPORTS[name], "precision": precision, "threads": threads}
-                max_length = max(args.contexts + args.prefill) + args.warmup + args.steps + args.new_tokens + 2
-                engines = make_engines(llama_cpp, name, directory, precision, threads, max_length, 1, args)
+                max_length = max(args.contexts + args.prefill) + sum(map(sum, turns)) + args.new_tokens + 2
+                engines_at = functools.partial(make_engines, with_llama_cpp, name, directory, precision, threads,
+                                               max_length, args=args)
+                engines = engines_at(1)
                 vllm = None
                 if with_vllm and precision in VLLM_DTYPES:
                     vllm = peers.VllmEngine(directory, VLLM_DTYPES[precision], threads, max_length, max(args.batches))
@@ -390,7 +407,7 @@ def main() -> None:
                 for batch in args.batches:
                     if batch != 1:
                         close(engines)
-                        engines = make_engines(llama_cpp, name, directory, precision, threads, max_length, batch, args)
+                        engines = engines_at(batch)
                     for context in args.contexts:
                         rows = [ids[i * stride:i * stride + context] for i in range(batch)]
                         t = time_decode(engines, vllm, rows, args)

@@ -1,6 +1,8 @@
 """The engines that ``cpu_peers.py`` times side by side, behind one interface: ``prefill(rows)`` resets the
 engine's state, feeds the rows (one sequence each) and returns each row's greedy next token; ``step(tokens)``
-feeds one token per row and returns the next greedy ones.
+feeds one token per row and returns the next greedy ones. :class:`SteppedEngine` builds the measurements on
+those two, and :class:`RemoteEngine` takes the same measurements of an engine in its own process
+(``engine_worker.py``), so that no other engine's threads share its process.
 
 * :class:`HybridlmEngine`: a checkpoint directory through ``HybridForCausalLM.from_pretrained``, prefilled by
   its forward and stepped by :class:`~hybridlm.decoding.decode_step.DecodeStep` on a static cache (compiled or
@@ -10,6 +12,7 @@ feeds one token per row and returns the next greedy ones.
 * :class:`LlamaCppEngine`: a GGUF file through llama.cpp's C API, called in this process through the ctypes
   bindings of the llama-cpp-python sdist that ``setup_peers.sh`` builds (``llama_decode`` per batch, the greedy
   token read from ``llama_get_logits_ith``), so its steps interleave with hybridlm's one by one.
+* :class:`RemoteEngine`: any of the three above, built from a spec (:func:`build`) in ``engine_worker.py``.
 * :class:`VllmEngine`: vLLM's CPU build in its own venv and process (``vllm_worker.py``), which times whole
   requests itself; it is not stepped (``decode_ms``, ``prefill_s`` and ``greedy`` instead).
 """
@@ -17,14 +20,18 @@ feeds one token per row and returns the next greedy ones.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 import hybridlm
 from hybridlm.decoding.decode_step import DecodeStep
@@ -38,7 +45,40 @@ GGML_TYPE_F32 = 0  # ggml_type values for the KV cache
 GGML_TYPE_F16 = 1
 
 
-class HybridlmEngine:
+class SteppedEngine:
+    """The measurements every engine offers, on top of its ``prefill`` and ``step``; the same code times an engine
+    in the harness's process and in a worker's."""
+
+    next_tokens: list[int]  # the greedy tokens the next step feeds, set by begin()
+
+    def begin(self, rows: list[list[int]]) -> None:
+        """Prefill ``rows`` (untimed): :meth:`decode_ms` steps on from there."""
+        self.next_tokens = self.prefill(rows)
+
+    def decode_ms(self, warmup: int, steps: int) -> list[float]:
+        """Milliseconds of each of ``steps`` steps after ``warmup`` untimed ones, going on from the last step."""
+        times = []
+        for index in range(warmup + steps):
+            start = time.perf_counter()
+            self.next_tokens = self.step(self.next_tokens)
+            if index >= warmup:
+                times.append(1000 * (time.perf_counter() - start))
+        return times
+
+    def prefill_seconds(self, rows: list[list[int]]) -> float:
+        start = time.perf_counter()
+        self.prefill(rows)
+        return time.perf_counter() - start
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        """``new_tokens`` greedy tokens after ``prompt`` (batch 1)."""
+        tokens = self.prefill([prompt])
+        while len(tokens) < new_tokens:
+            tokens += self.step(tokens[-1:])
+        return tokens
+
+
+class HybridlmEngine(SteppedEngine):
     """``directory`` loaded by hybridlm at ``dtype`` (int8: int8 weight-only linears,
     :func:`~hybridlm.model.quantize_weights`, on the bf16 model: compiled, inductor multiplies the int8 codes by the
     bf16 inputs in its weight-only GEMM, where on an fp32 model its freezing folds the codes back into fp32 weights)."""
@@ -67,8 +107,15 @@ class HybridlmEngine:
         """Next-token log-probabilities after each token of ``row``: float64 ``[len(row), vocab]``."""
         return self.model(torch.tensor([row])).logits[0].double().log_softmax(-1)
 
+    @torch.inference_mode()
+    def top_two_margin(self, prompt: list[int], tokens: list[int], index: int) -> float:
+        """The gap between the two largest logits where the model chose ``tokens[index]`` after ``prompt``."""
+        logits = self.model(torch.tensor([prompt + tokens[:index]])).logits[0, -1].float()
+        top = logits.topk(2).values
+        return float(top[0] - top[1])
 
-class TransformersEngine:
+
+class TransformersEngine(SteppedEngine):
     """``directory`` loaded by transformers at ``dtype`` (f32 or bf16), decoding with its default cache."""
 
     def __init__(self, directory: Path, dtype: str):
@@ -94,9 +141,14 @@ class TransformersEngine:
 _callbacks = []  # ctypes callbacks must outlive the library's use of them
 
 
+def llama_cpp_built() -> bool:
+    return (LLAMA_LIB_DIR / "libllama.so").is_file()
+
+
+@functools.cache
 def load_llama_cpp():
     """The llama-cpp-python bindings bound to ``setup_peers.sh``'s build (quiet), or None when it has not run."""
-    if not (LLAMA_LIB_DIR / "libllama.so").is_file():
+    if not llama_cpp_built():
         return None
     os.environ["LLAMA_CPP_LIB_PATH"] = str(LLAMA_LIB_DIR)
     sys.path.insert(0, str(SDIST_DIR))
@@ -116,7 +168,7 @@ def cpu_has_amx() -> bool:
         return False
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(SteppedEngine):
     """A GGUF file in llama.cpp at ``threads`` threads, ``batch`` sequences, KV cache in f32 for f32 weights (equal
     precision) and llama.cpp's default f16 otherwise. ``extra_buffers=False`` keeps the weights out of llama.cpp's
     repacking buffers (AMX on CPUs that have it; its ``--no-repack``)."""
@@ -194,27 +246,98 @@ class LlamaCppEngine:
         self.lib.llama_model_free(self.model)
 
 
-class VllmEngine:
-    """``vllm_worker.py`` in the vLLM venv, one request at a time over its stdin/stdout (JSON lines)."""
+def build(spec: dict) -> SteppedEngine:
+    """The engine a spec describes: ``kind`` (``hybridlm``, ``transformers`` or ``llama.cpp``) and the keyword
+    arguments of its class (paths as strings, so that a spec goes through JSON to ``engine_worker.py``)."""
+    kind, arguments = spec["kind"], {key: value for key, value in spec.items() if key != "kind"}
+    if kind == "hybridlm":
+        return HybridlmEngine(Path(arguments.pop("directory")), **arguments)
+    if kind == "transformers":
+        return TransformersEngine(Path(arguments.pop("directory")), **arguments)
+    if kind == "llama.cpp":
+        llama_cpp = load_llama_cpp()
+        if llama_cpp is None:
+            raise RuntimeError(f"llama.cpp is not built in {PEERS_DIR} (`{SETUP}`)")
+        return LlamaCppEngine(llama_cpp, Path(arguments.pop("gguf")), **arguments)
+    raise ValueError(f"unknown engine kind {kind!r} (hybridlm, transformers or llama.cpp)")
 
-    def __init__(self, directory: Path, dtype: str, threads: int, max_length: int, batch: int):
-        worker = Path(__file__).with_name("vllm_worker.py")
-        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else "0-1",
-                   VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads))
-        self.log = PEERS_DIR / "vllm-worker.log"  # vLLM's own output, which is long
-        with open(self.log, "w") as log:
-            self.process = subprocess.Popen([str(VLLM_PYTHON), str(worker), str(directory), dtype, str(max_length),
-                                             str(batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, env=env, text=True)
-        self._ask({"op": "ready"})
+
+class JsonLinesWorker:
+    """A child process answering one JSON line on its stdout for each request line on its stdin; its other
+    output goes to ``log``."""
+
+    def __init__(self, command: list[str], env: dict, log: Path):
+        self.log = log
+        with open(log, "w") as out:
+            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=out,
+                                            env=env, text=True)
 
     def _ask(self, request: dict) -> dict:
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         line = self.process.stdout.readline()
         if not line:
-            raise RuntimeError(f"vllm_worker.py exited (code {self.process.wait()}); its output is in {self.log}")
-        return json.loads(line)
+            raise RuntimeError(f"{self.process.args[1]} exited (code {self.process.wait()}); its output is in "
+                               f"{self.log}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"{self.process.args[1]} failed on {request.get('op')}: {answer['error']} (its "
+                               f"output: {self.log})")
+        return answer
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+class RemoteEngine(JsonLinesWorker):
+    """:func:`build`'s engine for ``spec`` in ``engine_worker.py``, at ``threads`` threads: the measurements of
+    :class:`SteppedEngine` (and ``log_probs`` and ``top_two_margin`` where its engine has them), each timed in
+    the worker, so the pipe's cost is outside every figure."""
+
+    def __init__(self, spec: dict, threads: int, label: str):
+        worker = Path(__file__).with_name("engine_worker.py")
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+        super().__init__([sys.executable, str(worker), json.dumps(spec), str(threads)], env,
+                         PEERS_DIR / f"worker-{label}.log")
+        self._ask({"op": "ready"})
+
+    def _call(self, op: str, *args):
+        return self._ask({"op": op, "args": list(args)})["result"]
+
+    def begin(self, rows: list[list[int]]) -> None:
+        self._call("begin", rows)
+
+    def decode_ms(self, warmup: int, steps: int) -> list[float]:
+        return self._call("decode_ms", warmup, steps)
+
+    def prefill_seconds(self, rows: list[list[int]]) -> float:
+        return self._call("prefill_seconds", rows)
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        return self._call("greedy", prompt, new_tokens)
+
+    def top_two_margin(self, prompt: list[int], tokens: list[int], index: int) -> float:
+        return self._call("top_two_margin", prompt, tokens, index)
+
+    def log_probs(self, row: list[int]) -> torch.Tensor:
+        with tempfile.TemporaryDirectory() as folder:
+            path = Path(folder) / "log_probs.safetensors"
+            self._call("log_probs", row, str(path))
+            return load_file(path)["log_probs"]
+
+
+class VllmEngine(JsonLinesWorker):
+    """``vllm_worker.py`` in the vLLM venv, one request at a time over its stdin/stdout (JSON lines)."""
+
+    def __init__(self, directory: Path, dtype: str, threads: int, max_length: int, batch: int):
+        worker = Path(__file__).with_name("vllm_worker.py")
+        env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else "0-1",
+                   VLLM_CPU_KVCACHE_SPACE="4", OMP_NUM_THREADS=str(threads))
+        # vLLM's own output, which is long, goes to the log
+        super().__init__([str(VLLM_PYTHON), str(worker), str(directory), dtype, str(max_length), str(batch)], env,
+                         PEERS_DIR / "vllm-worker.log")
+        self._ask({"op": "ready"})
 
     def greedy(self, rows: list[list[int]], new_tokens: int) -> list[list[int]]:
         return self._ask({"op": "greedy", "rows": rows, "new_tokens": new_tokens})["tokens"]
@@ -222,7 +345,3 @@ class VllmEngine:
     def timed(self, rows: list[list[int]], new_tokens: int) -> float:
         """Seconds for one ``generate`` of ``new_tokens`` greedy tokens after ``rows``."""
         return self._ask({"op": "timed", "rows": rows, "new_tokens": new_tokens})["seconds"]
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait()
