@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.norms import at_least_fp32
 
 GATED = {"silu": F.silu, "gelu": F.gelu}
@@ -18,11 +19,11 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = activation
         if activation in GATED:
-            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+            self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
         elif activation != "relu2":
             raise ValueError(f"MLP activation={activation!r}; allowed: {sorted(GATED) + ['relu2']}")
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, gate_up_delta: torch.Tensor | None = None) -> torch.Tensor:
         """``gate_up_delta [..., 2 * intermediate]`` (gated MLPs only) is added to the concatenated gate and up
@@ -92,7 +93,7 @@ class MoE(nn.Module):
         self.top_k, self.renormalize = top_k, renormalize
         self.router_kind, self.num_groups, self.topk_groups = router, num_groups, topk_groups
         self.routed_scaling = routed_scaling
-        self.router = nn.Linear(hidden_size, num_experts, bias=False)
+        self.router = Linear(hidden_size, num_experts, bias=False)
         if router == "sigmoid":
             self.register_buffer("expert_bias", torch.zeros(num_experts))
         elif router != "softmax" or num_groups != 1:
@@ -104,7 +105,7 @@ class MoE(nn.Module):
         )
         if shared_expert_gate and not shared_intermediate_size:
             raise ValueError("MoE: shared_expert_gate needs a shared expert (shared_intermediate_size > 0)")
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False) if shared_expert_gate else None
 
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(probs [tokens, E], weights [tokens, k], chosen [tokens, k])``; ``probs`` sum to one per token (the

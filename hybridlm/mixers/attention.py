@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hybridlm import ops
 from hybridlm.cache import KVLayout, KVState, KVView
 from hybridlm.cache.kv.layouts import RingKV
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.norms import RMSNorm
 from hybridlm.layers.rotary import RotaryEmbedding, scaling_problem
 from hybridlm.mixers.base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register
@@ -62,11 +62,11 @@ class Attention(Mixer):
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.window = config.head_dim, config.sliding_window
         self.scale = config.attention_scale
-        self.q_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.q_proj = Linear(width, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(width, self.num_kv_heads * self.head_dim, bias=bias)
         out_bias = bias if config.attention_output_bias is None else config.attention_output_bias
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
         rotary_dim = int(self.head_dim * config.partial_rotary_factor)
         self.rotary = RotaryEmbedding(rotary_dim, config.rope_theta, config.rope_scaling) if rotary_dim else None
         # RMSNorm of each query and key head before RoPE (LFM2, Qwen3-Next), or of all heads together (OLMo)
@@ -76,7 +76,7 @@ class Attention(Mixer):
             self.q_norm = RMSNorm(q_width * self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(k_width * self.head_dim, config.rms_norm_eps)
         # output gate: o_proj(attention * sigmoid(gate_proj(x))) (Qwen3-Next)
-        self.gate_proj = nn.Linear(width, self.num_heads * self.head_dim, bias=bias) \
+        self.gate_proj = Linear(width, self.num_heads * self.head_dim, bias=bias) \
             if config.attention_output_gate else None
 
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> KVLayout:

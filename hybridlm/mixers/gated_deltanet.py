@@ -17,6 +17,7 @@ from torch import nn
 from hybridlm import ops
 from hybridlm.cache import SSMState
 from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.norms import GatedRMSNorm, at_least_fp32
 from hybridlm.mixers.base import Mixer, invalid_config, register, zero_padding
 from hybridlm.mixers.segments import check_stateless
@@ -96,14 +97,14 @@ class GatedDeltaNet(Mixer):
         self.chunk_size, self.beta_scale = config.deltanet_chunk_size, config.deltanet_beta_scale
         self.key_dim, self.value_dim = self.key_heads * self.dim_k, self.heads * self.dim_v
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkvz = nn.Linear(hidden, self.conv_dim + self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * self.heads, bias=False)
+        self.in_proj_qkvz = Linear(hidden, self.conv_dim + self.value_dim, bias=False)
+        self.in_proj_ba = Linear(hidden, 2 * self.heads, bias=False)
         self.conv1d = ShortConv(self.conv_dim, config.deltanet_conv_size, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.heads))
         self.A_log = nn.Parameter(torch.empty(self.heads))
         norm_eps = config.deltanet_norm_eps if config.deltanet_norm_eps is not None else config.rms_norm_eps
         self.norm = GatedRMSNorm(self.dim_v, self.dim_v, eps=norm_eps, norm_before_gate=True)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        self.out_proj = Linear(self.value_dim, hidden, bias=False)
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Qwen3-Next's: ``A`` uniform in [0.01, 16] (log kept away from -inf), ``dt_bias`` ones."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from hybridlm.cache import SSMState
 from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.norms import RMSNorm, at_least_fp32
 from hybridlm.mixers.base import Mixer, invalid_config, register, zero_padding
 from hybridlm.mixers.gated_deltanet import check_positive, delta_rule_state, l2_normalize, run_delta_rule
@@ -51,20 +52,20 @@ class KimiDeltaAttention(Mixer):
         self.heads, self.chunk_size = config.deltanet_num_key_heads, config.deltanet_chunk_size
         self.dim_k, self.dim_v = config.deltanet_key_head_dim, config.deltanet_value_head_dim
         key_dim, value_dim = self.heads * self.dim_k, self.heads * self.dim_v
-        self.q_proj = nn.Linear(hidden, key_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, key_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, value_dim, bias=False)
+        self.q_proj = Linear(hidden, key_dim, bias=False)
+        self.k_proj = Linear(hidden, key_dim, bias=False)
+        self.v_proj = Linear(hidden, value_dim, bias=False)
         self.conv1d = ShortConv(2 * key_dim + value_dim, config.deltanet_conv_size, bias=False)
-        self.f_a_proj = nn.Linear(hidden, self.dim_k, bias=False)  # the decay's low-rank projection
-        self.f_b_proj = nn.Linear(self.dim_k, key_dim, bias=False)
+        self.f_a_proj = Linear(hidden, self.dim_k, bias=False)  # the decay's low-rank projection
+        self.f_b_proj = Linear(self.dim_k, key_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.empty(key_dim))
         self.A_log = nn.Parameter(torch.empty(self.heads))
-        self.b_proj = nn.Linear(hidden, self.heads, bias=False)
-        self.g_a_proj = nn.Linear(hidden, self.dim_v, bias=False)  # the output gate's low-rank projection
-        self.g_b_proj = nn.Linear(self.dim_v, value_dim, bias=False)
+        self.b_proj = Linear(hidden, self.heads, bias=False)
+        self.g_a_proj = Linear(hidden, self.dim_v, bias=False)  # the output gate's low-rank projection
+        self.g_b_proj = Linear(self.dim_v, value_dim, bias=False)
         norm_eps = config.deltanet_norm_eps if config.deltanet_norm_eps is not None else config.rms_norm_eps
         self.o_norm = RMSNorm(self.dim_v, norm_eps)
-        self.o_proj = nn.Linear(value_dim, hidden, bias=False)
+        self.o_proj = Linear(value_dim, hidden, bias=False)
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """fla's: ``A`` uniform in [1, 16]; ``softplus(dt_bias)`` log-uniform in [1e-3, 0.1]."""

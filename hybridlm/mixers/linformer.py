@@ -20,6 +20,7 @@ from torch import nn
 
 from hybridlm import ops
 from hybridlm.cache import CompressedKVState
+from hybridlm.layers.linear import Linear
 from hybridlm.mixers.base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, invalid_config, register, zero_padding
 from hybridlm.mixers.segments import check_stateless
 
@@ -50,10 +51,10 @@ class Linformer(Mixer):
         self.causal = config.linformer_causal
         self.prefix_reduction = config.linformer_prefix_reduction
         width = self.num_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, width, bias=bias)
-        self.k_proj = nn.Linear(hidden, width, bias=bias)
-        self.v_proj = nn.Linear(hidden, width, bias=bias)
-        self.o_proj = nn.Linear(width, hidden, bias=bias)
+        self.q_proj = Linear(hidden, width, bias=bias)
+        self.k_proj = Linear(hidden, width, bias=bias)
+        self.v_proj = Linear(hidden, width, bias=bias)
+        self.o_proj = Linear(width, hidden, bias=bias)
         self.key_projection = nn.Parameter(torch.empty(self.rank, self.max_length))
         self.value_projection = nn.Parameter(torch.empty(self.rank, self.max_length))
 

@@ -16,6 +16,7 @@ from torch import nn
 from hybridlm import ops
 from hybridlm.cache import SSMState
 from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.norms import RMSNorm
 from hybridlm.mixers.base import Mixer, check_dt_range, register, zero_padding
 from hybridlm.mixers.segments import check_stateless
@@ -47,13 +48,13 @@ class Mamba(Mixer):
         self.config = config
         hidden, inner = config.hidden_size, config.mamba_d_inner
         self.d_inner, self.d_state, self.dt_rank = inner, config.mamba_d_state, config.mamba_dt_rank
-        self.in_proj = nn.Linear(hidden, 2 * inner, bias=config.mamba_proj_bias)
+        self.in_proj = Linear(hidden, 2 * inner, bias=config.mamba_proj_bias)
         self.conv1d = ShortConv(inner, config.mamba_d_conv, bias=config.mamba_conv_bias)
-        self.x_proj = nn.Linear(inner, self.dt_rank + 2 * self.d_state, bias=False)
-        self.dt_proj = nn.Linear(self.dt_rank, inner, bias=True)
+        self.x_proj = Linear(inner, self.dt_rank + 2 * self.d_state, bias=False)
+        self.dt_proj = Linear(self.dt_rank, inner, bias=True)
         self.A_log = nn.Parameter(torch.empty(inner, self.d_state))
         self.D = nn.Parameter(torch.empty(inner))
-        self.out_proj = nn.Linear(inner, hidden, bias=config.mamba_proj_bias)
+        self.out_proj = Linear(inner, hidden, bias=config.mamba_proj_bias)
         if config.mamba_dt_norm:  # Jamba (and, without weights, Falcon-Mamba) normalises dt, B and C before use
             eps, learnable = config.mamba_dt_norm_eps, config.mamba_dt_norm_learnable
             self.dt_layernorm = RMSNorm(self.dt_rank, eps, learnable)

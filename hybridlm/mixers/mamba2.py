@@ -14,6 +14,7 @@ from torch import nn
 from hybridlm import ops
 from hybridlm.cache import SSMState
 from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.norms import GatedRMSNorm
 from hybridlm.mixers.base import Mixer, check_dt_range, invalid_config, register, zero_padding
 from hybridlm.mixers.mamba import inverse_softplus_dt
@@ -53,7 +54,7 @@ class Mamba2(Mixer):
         self.num_heads, self.head_dim = config.mamba2_num_heads, config.mamba2_head_dim
         self.chunk_size, self.dt_limit = config.mamba2_chunk_size, tuple(config.mamba2_dt_limit)
         self.conv_dim = inner + 2 * self.n_groups * self.d_state
-        self.in_proj = nn.Linear(hidden, inner + self.conv_dim + self.num_heads, bias=config.mamba2_proj_bias)
+        self.in_proj = Linear(hidden, inner + self.conv_dim + self.num_heads, bias=config.mamba2_proj_bias)
         self.conv1d = ShortConv(self.conv_dim, config.mamba2_d_conv, bias=config.mamba2_conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
@@ -61,7 +62,7 @@ class Mamba2(Mixer):
         self.norm = None if config.mamba2_norm == "none" else GatedRMSNorm(
             inner, inner // self.n_groups, eps=config.rms_norm_eps,
             norm_before_gate=config.mamba2_norm == "norm_before_gate")
-        self.out_proj = nn.Linear(inner, hidden, bias=config.mamba2_proj_bias)
+        self.out_proj = Linear(inner, hidden, bias=config.mamba2_proj_bias)
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         c = self.config

@@ -21,6 +21,7 @@ from torch import nn
 from hybridlm import ops
 from hybridlm.cache import RecurrentState
 from hybridlm.cache.states import Quantizable
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.norms import GatedRMSNorm, RMSNorm
 from hybridlm.mixers.base import Mixer, check_dt_range, invalid_config, register, zero_padding
 from hybridlm.mixers.mamba import inverse_softplus_dt
@@ -116,7 +117,7 @@ class Mamba3(Mixer):
         bc = self.rank * self.n_groups * self.d_state
         self.split = [self.d_inner, self.d_inner, bc, bc, self.num_heads, self.num_heads, self.num_heads,
                       self.n_angles]
-        self.in_proj = nn.Linear(config.hidden_size, sum(self.split), bias=False)
+        self.in_proj = Linear(config.hidden_size, sum(self.split), bias=False)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.B_bias = nn.Parameter(torch.ones(self.num_heads, self.rank, self.d_state))
         self.C_bias = nn.Parameter(torch.ones(self.num_heads, self.rank, self.d_state))
@@ -129,7 +130,7 @@ class Mamba3(Mixer):
         self.D = nn.Parameter(torch.ones(self.num_heads))
         self.norm = GatedRMSNorm(self.d_inner, self.head_dim, eps=NORM_EPS, norm_before_gate=True) \
             if config.mamba3_outproj_norm else None
-        self.out_proj = nn.Linear(self.d_inner, config.hidden_size, bias=False)
+        self.out_proj = Linear(self.d_inner, config.hidden_size, bias=False)
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         c, shape = self.config, (self.num_heads, self.rank, self.d_state)

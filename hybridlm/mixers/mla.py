@@ -24,11 +24,11 @@ Each forward takes the form with fewer multiply-adds (:meth:`LatentAttention.att
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hybridlm import ops
 from hybridlm.cache import KVView
 from hybridlm.cache.kv.latent import LatentKV
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.norms import RMSNorm
 from hybridlm.layers.rotary import RotaryEmbedding
 from hybridlm.mixers.base import Mixer, invalid_config, register
@@ -64,15 +64,15 @@ class LatentAttention(Mixer):
         self.scale = config.attention_scale
         qk_dim = self.heads * (self.nope + self.rope)
         if config.mla_q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, qk_dim, bias=False)
+            self.q_proj = Linear(hidden, qk_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, config.mla_q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, config.mla_q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(config.mla_q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(config.mla_q_lora_rank, qk_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope, bias=bias)
+            self.q_b_proj = Linear(config.mla_q_lora_rank, qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=bias)
+        self.kv_b_proj = Linear(self.rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(self.heads * self.v_dim, hidden, bias=bias)
         self.rotary = RotaryEmbedding(self.rope, config.rope_theta) if config.mla_rope and self.rope else None
         self.latent_attention: bool | None = None  # None: the cheaper form per forward; True / False force one
 
@@ -110,7 +110,7 @@ class LatentAttention(Mixer):
         expanded (the attention products of both forms plus expanding the keys, or absorbing the queries and
         outputs). ``latent_attention`` (True / False) forces the form. Never with an adapted or otherwise
         wrapped ``kv_b_proj`` (e.g. LoRA): absorbing reads its weight, which would leave the adapter out."""
-        if type(self.kv_b_proj) is not nn.Linear:
+        if type(self.kv_b_proj) is not Linear:
             return False
         if self.latent_attention is not None:
             return self.latent_attention

@@ -24,10 +24,10 @@ and draws new features every ``performer_redraw_interval`` steps from a generato
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from hybridlm import ops
 from hybridlm.cache import LinearAttentionState
+from hybridlm.layers.linear import Linear
 from hybridlm.mixers.base import HEAD_LAYOUT_FIELDS, Mixer, check_head_layout, register
 from hybridlm.mixers.segments import check_stateless
 from hybridlm.ops.ssd import decay_scan_states
@@ -87,10 +87,10 @@ class Performer(Mixer):
         self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
         self.num_features, self.redraw_interval = config.performer_num_features, config.performer_redraw_interval
         width = self.num_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, width, bias=bias)
-        self.k_proj = nn.Linear(hidden, width, bias=bias)
-        self.v_proj = nn.Linear(hidden, width, bias=bias)
-        self.o_proj = nn.Linear(width, hidden, bias=bias)
+        self.q_proj = Linear(hidden, width, bias=bias)
+        self.k_proj = Linear(hidden, width, bias=bias)
+        self.v_proj = Linear(hidden, width, bias=bias)
+        self.o_proj = Linear(width, hidden, bias=bias)
         self.register_buffer("projection", orthogonal_random_features(self.num_features, self.head_dim))
         self.register_buffer("feature_seed", new_feature_seed())
         self.register_buffer("optimizer_steps", torch.zeros((), dtype=torch.long))

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hybridlm.cache import KVState
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.mlp import MLP
 from hybridlm.layers.norms import RMSNorm
 from hybridlm.mixers.attention import Attention
@@ -28,8 +29,8 @@ class LoRA(nn.Module):
 
     def __init__(self, in_features: int, rank: int, out_features: int):
         super().__init__()
-        self.down = nn.Linear(in_features, rank, bias=False)
-        self.up = nn.Linear(rank, out_features, bias=False)
+        self.down = Linear(in_features, rank, bias=False)
+        self.up = Linear(rank, out_features, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.up(self.down(x))
@@ -41,7 +42,7 @@ class SharedBlockSite(nn.Module):
     def __init__(self, config):
         super().__init__()
         hidden, rank = config.hidden_size, config.shared_block_adapter_rank
-        self.out_proj = nn.Linear(hidden, hidden, bias=False)
+        self.out_proj = Linear(hidden, hidden, bias=False)
         self.mlp_adapter = LoRA(hidden, rank, 2 * config.intermediate_size) if rank else None
         if config.shared_block_attention_adapters:
             q_width = config.num_attention_heads * config.head_dim

@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
 from hybridlm.cache import RecurrentState
 from hybridlm.cache.states import WINDOW
 from hybridlm.layers.conv import ShortConv
+from hybridlm.layers.linear import Linear
 from hybridlm.mixers.base import Mixer, register, zero_padding
 from hybridlm.mixers.gated_deltanet import check_positive
 from hybridlm.mixers.segments import check_stateless
@@ -44,9 +44,9 @@ class GatedShortConv(Mixer):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         hidden, bias = config.hidden_size, config.short_conv_bias
-        self.in_proj = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.in_proj = Linear(hidden, 3 * hidden, bias=bias)
         self.conv = ShortConv(hidden, config.short_conv_size, bias=bias, activation=None)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.out_proj = Linear(hidden, hidden, bias=bias)
 
     def init_state(self, batch_size, max_length=None, device=None, dtype=None) -> ConvState:
         return ConvState(conv=self.conv.init_window(batch_size, device, dtype))

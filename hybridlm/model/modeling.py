@@ -15,6 +15,7 @@ from transformers.utils import ModelOutput
 
 from hybridlm.cache import HybridCache, LayerState, StateGroup
 from hybridlm.config import HybridConfig
+from hybridlm.layers.linear import Linear
 from hybridlm.layers.mlp import MLP, MoE, load_balancing_loss
 from hybridlm.layers.norms import RMSNorm
 from hybridlm.mixers import Mixer, build_mixer
@@ -303,7 +304,7 @@ class HybridForCausalLM(GenerationSupport, HybridPreTrainedModel, GenerationMixi
             raise ValueError(f"HybridForCausalLM needs causal mixers, but {bidirectional} see later tokens under this "
                              f"config ({', '.join(fields) or 'not causal'}); use HybridModel as an encoder instead")
         self.model = HybridModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def save_pretrained(self, save_directory, *args, format: str = "hybridlm", **kwargs):

@@ -1,0 +1,56 @@
+"""The projection every layer and mixer uses: ``nn.Linear``, except for a bf16 or fp16 product of several rows
+on a CPU that has no products in that dtype (no AVX-512 BF16 or AMX for bf16; no AVX-512 FP16 or AMX-FP16 for
+fp16). There torch's eager product falls back to a slow path, several times slower than fp32, so the input and
+weight are copied to fp32, multiplied, and the output rounded once to the model's dtype (the same fp32
+accumulation the native products do).
+
+Measured on an AVX2 AMD EPYC, 1 thread, SmolLM2-135M's 1,536 x 576 weight in bf16: 734 against 417 us at 4 rows,
+53 against 7.8 ms at 256 rows (a prefill), and 183 against 215 us at 1 row, where the copy of the weight costs
+more than it saves (benchmarks/bf16_cpu.py, docs/performance.md). Compiled graphs are left to inductor, which
+picks its own products."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _dtypes_without_cpu_products() -> frozenset[torch.dtype]:
+    """The reduced-precision dtypes this CPU cannot multiply natively. A torch without
+    ``torch.cpu.get_capabilities`` answers none: every product then takes torch's own path, as before."""
+    capabilities = getattr(torch.cpu, "get_capabilities", None)
+    if capabilities is None:
+        return frozenset()
+    has = capabilities()
+    missing = set()
+    if not (has.get("avx512_bf16") or has.get("amx_bf16")):
+        missing.add(torch.bfloat16)
+    if not (has.get("avx512_fp16") or has.get("amx_fp16")):
+        missing.add(torch.float16)
+    return frozenset(missing)
+
+
+#: bf16 / fp16, where this CPU has no products of its own in them
+DTYPES_WITHOUT_CPU_PRODUCTS = _dtypes_without_cpu_products()
+#: rows (tokens) of a product from which its fp32 copy is the faster (2-3 measured; see the module docstring)
+MIN_FP32_ROWS = 3
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same checkpoints, ``isinstance`` of it) that multiplies a reduced-precision
+    input of at least :data:`MIN_FP32_ROWS` rows in fp32 on a CPU without products in its dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _in_fp32(x, self.weight):
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _in_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``x @ weight.T`` runs in fp32: a plain weight (not a quantized tensor subclass) of ``x``'s dtype,
+    several rows, eager, on the CPU."""
+    return (x.dtype in DTYPES_WITHOUT_CPU_PRODUCTS and x.device.type == "cpu" and weight.dtype == x.dtype
+            and type(weight.data) is torch.Tensor and x.numel() >= MIN_FP32_ROWS * x.shape[-1]
+            and not torch.compiler.is_compiling())
