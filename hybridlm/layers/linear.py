@@ -6,8 +6,9 @@ accumulation the native products do).
 
 Measured on an AVX2 AMD EPYC, 1 thread, SmolLM2-135M's 1,536 x 576 weight in bf16: 734 against 417 us at 4 rows,
 53 against 7.8 ms at 256 rows (a prefill), and 183 against 215 us at 1 row, where the copy of the weight costs
-more than it saves (benchmarks/bf16_cpu.py, docs/performance.md). Compiled graphs are left to inductor, which
-picks its own products."""
+more than it saves (a micro-benchmark; ``benchmarks/cpu_linear.py`` measures it, docs/performance.md). Compiled
+graphs are left to inductor, which picks its own products (and would fold an fp32 copy of every weight into the
+graph, beside the bf16 one)."""
 
 from __future__ import annotations
 
@@ -39,18 +40,28 @@ MIN_FP32_ROWS = 3
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same checkpoints, ``isinstance`` of it) that multiplies a reduced-precision
-    input of at least :data:`MIN_FP32_ROWS` rows in fp32 on a CPU without products in its dtype."""
+    input of at least :data:`MIN_FP32_ROWS` rows in fp32 on a CPU without products in its dtype: with its weight
+    copied to fp32, or, for int8 weight-only codes (torchao's, :func:`hybridlm.model.quantize_weights`),
+    dequantized to fp32 (their own product multiplies in the input's dtype, as slow there)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _in_fp32(x, self.weight):
+        weight = _fp32_weight(self.weight, x) if _many_reduced_precision_rows_on_cpu(x) else None
+        if weight is not None:
             bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+            return F.linear(x.float(), weight, bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
 
 
-def _in_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``x @ weight.T`` runs in fp32: a plain weight (not a quantized tensor subclass) of ``x``'s dtype,
-    several rows, eager, on the CPU."""
-    return (x.dtype in DTYPES_WITHOUT_CPU_PRODUCTS and x.device.type == "cpu" and weight.dtype == x.dtype
-            and type(weight.data) is torch.Tensor and x.numel() >= MIN_FP32_ROWS * x.shape[-1]
-            and not torch.compiler.is_compiling())
+def _many_reduced_precision_rows_on_cpu(x: torch.Tensor) -> bool:
+    """An eager product of several rows, on the CPU, in a dtype it has no products in."""
+    return (x.dtype in DTYPES_WITHOUT_CPU_PRODUCTS and x.device.type == "cpu"
+            and x.numel() >= MIN_FP32_ROWS * x.shape[-1] and not torch.compiler.is_compiling())
+
+
+def _fp32_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` in fp32: a plain weight of ``x``'s dtype copied, weight-only quantized codes dequantized; None
+    for any other tensor subclass (e.g. codes that quantize the input too), which keeps its own product."""
+    if type(weight.data) is torch.Tensor:
+        return weight.float() if weight.dtype == x.dtype else None
+    weight_only = getattr(weight, "act_quant_kwargs", True) is None and getattr(weight, "act_pre_scale", 1) is None
+    return weight.dequantize(torch.float32) if weight_only and hasattr(weight, "dequantize") else None

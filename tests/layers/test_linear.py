@@ -48,11 +48,21 @@ def test_several_rows_in_reduced_precision_are_multiplied_in_fp32_and_rounded_on
     layer = _layer(dtype, in_features, out_features, bias).requires_grad_(False)
     x = torch.randn(*leading, rows, in_features).to(dtype)
     got = _without_products(layer, x, REDUCED)
-    reference = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    bias = None if layer.bias is None else layer.bias.double()
+    reference = F.linear(x.double(), layer.weight.double(), bias)
     assert got.dtype == dtype and got.shape == reference.shape
     assert reference.abs().max() > 0.1  # not a product of zeros
-    ulp = torch.finfo(dtype).eps * reference.abs().clamp_min(torch.finfo(dtype).tiny)
-    assert ((got.double() - reference).abs() <= ulp).all()  # rounded once: within one ulp of the exact product
+    magnitudes = F.linear(x.double().abs(), layer.weight.double().abs(), None if bias is None else bias.abs())
+    assert_rounded_once(got, reference, magnitudes, in_features + 1)
+
+
+def assert_rounded_once(got, reference, magnitudes, terms):
+    """``got`` is the exact ``reference`` rounded once to ``got``'s dtype: within half an ulp of it, give or take
+    the fp32 accumulation of ``terms`` products (at most ``terms * eps32 * sum |products|``, ``magnitudes``).
+    Rounding twice (a product rounded to bf16, then scaled) lands up to a whole ulp away."""
+    half_ulp = 0.5 * torch.finfo(got.dtype).eps * reference.abs()
+    accumulation = terms * torch.finfo(torch.float32).eps * magnitudes
+    assert ((got.double() - reference).abs() <= half_ulp + accumulation).all()
 
 
 def _without_products(layer, x, dtypes):
@@ -80,13 +90,21 @@ def test_which_product_runs(dtype, products_spy):
     assert products_spy[-2:] == [(torch.float32, torch.float32)] * 2
 
 
-def test_a_quantized_weight_keeps_its_own_product():
-    torchao = pytest.importorskip("torchao.quantization")
-    layer = nn.Sequential(_layer(torch.bfloat16, 64, 32, bias=False)).requires_grad_(False)
-    torchao.quantize_(layer, torchao.Int8WeightOnlyConfig())
+def test_int8_weight_only_codes_are_dequantized_to_fp32_and_other_codes_keep_their_product():
+    quantization = pytest.importorskip("torchao.quantization")
+    layer, activations_too = (nn.Sequential(_layer(torch.bfloat16, 64, 32, bias=False)).requires_grad_(False)
+                              for _ in range(2))
+    quantization.quantize_(layer, quantization.Int8WeightOnlyConfig())
+    quantization.quantize_(activations_too, quantization.Int8DynamicActivationInt8WeightConfig())
     x = torch.randn(MIN_FP32_ROWS, 64).bfloat16()
-    assert not linear._in_fp32(x, layer[0].weight)  # its dtype reads bf16, but it is int8 codes and scales
-    assert torch.equal(_without_products(layer, x, REDUCED), _without_products(layer, x, []))
+    codes = layer[0].weight
+    assert codes.qdata.dtype == torch.int8
+    weights = codes.qdata.double() * codes.scale.double()
+    reference = x.double() @ weights.T  # the codes' exact product
+    assert reference.abs().max() > 0.1
+    assert_rounded_once(_without_products(layer, x, REDUCED), reference, x.double().abs() @ weights.abs().T, 64)
+    assert linear._fp32_weight(activations_too[0].weight, x) is None  # the input is quantized too: its own product
+    assert torch.equal(_without_products(activations_too, x, REDUCED), _without_products(activations_too, x, []))
 
 
 def test_gradients_flow_through_the_fp32_product():
