@@ -1,6 +1,8 @@
 """bf16 products on a CPU without bf16 products of its own (``hybridlm.layers.linear.Linear``): torch's own bf16
 product against the fp32 copy that ``Linear`` makes from ``MIN_FP32_ROWS`` rows, and fp32 weights as the
-reference; then SmolLM2-135M's eager prefill in bf16 with the rule on and off, and in fp32.
+reference; then SmolLM2-135M's eager prefill in bf16 with the rule on and off, in fp32, and with int8 weight-only
+codes on the bf16 model (``quantize_weights``, torchao) with the rule on (dequantized to fp32) and off (torchao's
+own product, in bf16).
 
 Every variant takes turns call by call after a warm-up call; the script prints min / median and the medians'
 ratios (torch's bf16 product over the fp32 copy: > 1, the copy is faster).
@@ -49,9 +51,13 @@ def interleaved(calls: dict, rounds: int) -> dict:
 
 def report(head: str, times: dict, unit: float, name: str) -> None:
     base = times["bf16, fp32 copy"][1]
+    ratios = f"torch bf16 / fp32 copy x{times['bf16, torch'][1] / base:.2f}, fp32 weights / fp32 copy " \
+             f"x{times['fp32 weights'][1] / base:.2f}"
+    if "int8, torchao" in times:
+        int8 = times["int8, torchao"][1] / times["int8, fp32 dequantized"][1]
+        ratios += f", int8 torchao / int8 dequantized x{int8:.2f}"
     print(f"{head}: " + ", ".join(f"{label} {t[0] * unit:.2f} / {t[1] * unit:.2f}" for label, t in times.items())
-          + f" {name} min / median; torch bf16 / fp32 copy x{times['bf16, torch'][1] / base:.2f}, fp32 weights / "
-          f"fp32 copy x{times['fp32 weights'][1] / base:.2f}", flush=True)
+          + f" {name} min / median; {ratios}", flush=True)
 
 
 def fp32_copy(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -80,6 +86,8 @@ def prefill(lengths: list[int], calls: int) -> None:
     _, directory = require_model()
     models = {dtype: hybridlm.HybridForCausalLM.from_pretrained(directory, dtype=dtype).eval()
               for dtype in (torch.bfloat16, torch.float32)}
+    models["int8"] = hybridlm.model.quantize_weights(
+        hybridlm.HybridForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval())
     from transformers import AutoTokenizer
 
     ids = held_out_code(AutoTokenizer.from_pretrained(directory), max(lengths))
@@ -87,9 +95,11 @@ def prefill(lengths: list[int], calls: int) -> None:
     for length in lengths:
         x = torch.tensor([ids[:length]])
 
-        bf16, fp32 = (partial(models[dtype], x, logits_to_keep=1) for dtype in (torch.bfloat16, torch.float32))
+        bf16, fp32, int8 = (partial(models[key], x, logits_to_keep=1)
+                            for key in (torch.bfloat16, torch.float32, "int8"))
         variants = {"bf16, torch": (RULE_OFF, bf16), "bf16, fp32 copy": (rule_on, bf16),
-                    "fp32 weights": (RULE_OFF, fp32)}
+                    "fp32 weights": (RULE_OFF, fp32), "int8, torchao": (RULE_OFF, int8),
+                    "int8, fp32 dequantized": (rule_on, int8)}
         report(f"SmolLM2-135M prefill {length}", interleaved(variants, calls), 1.0, "s")
 
 
