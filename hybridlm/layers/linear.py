@@ -4,11 +4,11 @@ fp16). There torch's eager product falls back to a slow path, several times slow
 weight are copied to fp32, multiplied, and the output rounded once to the model's dtype (the same fp32
 accumulation the native products do).
 
-Measured on an AVX2 AMD EPYC, 1 thread, SmolLM2-135M's 1,536 x 576 weight in bf16: 734 against 417 us at 4 rows,
-53 against 7.8 ms at 256 rows (a prefill), and 183 against 215 us at 1 row, where the copy of the weight costs
-more than it saves (a micro-benchmark; ``benchmarks/cpu_linear.py`` measures it, docs/performance.md). Compiled
-graphs are left to inductor, which picks its own products (and would fold an fp32 copy of every weight into the
-graph, beside the bf16 one)."""
+Measured on an AVX2 AMD EPYC, 1 thread, SmolLM2-135M's weights in bf16 (``benchmarks/cpu_linear.py``, medians,
+docs/performance.md): 1,536 x 576 took 878 us in bf16 against 634 us copied at 4 rows, 48.4 against 6.2 ms at
+256 rows (a prefill); at 3 rows the two were level (0.91-1.33x over three shapes), and at 1 row (a decode
+step) the copy of the weight costs more than it saves (576 x 1,536: 204 against 322 us). Compiled graphs are
+left to inductor, which picks its own products."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def _dtypes_without_cpu_products() -> frozenset[torch.dtype]:
 
 #: bf16 / fp16, where this CPU has no products of its own in them
 DTYPES_WITHOUT_CPU_PRODUCTS = _dtypes_without_cpu_products()
-#: rows (tokens) of a product from which its fp32 copy is the faster (2-3 measured; see the module docstring)
-MIN_FP32_ROWS = 3
+#: rows (tokens) of a product from which its fp32 copy is the faster (level at 3; see the module docstring)
+MIN_FP32_ROWS = 4
 
 
 class Linear(nn.Linear):
