@@ -321,7 +321,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--precisions", nargs="+", default=["f32", "bf16", "int8"], choices=list(GGUF_TYPES),
                         help="SmolLM2's; the other models run at f32 only")
     parser.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    parser.add_argument("--contexts", nargs="+", type=int, default=[256, 2048, 8192])
+    parser.add_argument("--contexts", nargs="*", type=int, default=[256, 2048, 8192], help="decode contexts (none: "
+                        "prefill and greedy tokens only)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--prefill", nargs="+", type=int, default=[256, 2048])
     parser.add_argument("--new-tokens", type=int, default=32)
