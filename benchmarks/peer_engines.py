@@ -9,9 +9,9 @@ those two, and :class:`RemoteEngine` takes the same measurements of an engine in
   eager).
 * :class:`TransformersEngine`: the same directory through transformers' ``AutoModelForCausalLM`` and its own
   cache, stepped by its forward (what hybridlm's decoders are compared with elsewhere, ``hf_speed.py``).
-* :class:`LlamaCppEngine`: a GGUF file through llama.cpp's C API, called in this process through the ctypes
-  bindings of the llama-cpp-python sdist that ``setup_peers.sh`` builds (``llama_decode`` per batch, the greedy
-  token read from ``llama_get_logits_ith``), so its steps interleave with hybridlm's one by one.
+* :class:`LlamaCppEngine`: a GGUF file through llama.cpp's C API, called in the process that holds it through
+  the ctypes bindings of the llama-cpp-python sdist that ``setup_peers.sh`` builds (``llama_decode`` per batch,
+  the greedy token read from ``llama_get_logits_ith``).
 * :class:`RemoteEngine`: any of the three above, built from a spec (:func:`build`) in ``engine_worker.py``.
 * :class:`VllmEngine`: vLLM's CPU build in its own venv and process (``vllm_worker.py``), which times whole
   requests itself; it is not stepped (``decode_ms``, ``prefill_s`` and ``greedy`` instead).
