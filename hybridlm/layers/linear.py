@@ -16,24 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _dtypes_without_cpu_products() -> frozenset[torch.dtype]:
-    """The reduced-precision dtypes this CPU cannot multiply natively. A torch without
-    ``torch.cpu.get_capabilities`` answers none: every product then takes torch's own path, as before."""
-    capabilities = getattr(torch.cpu, "get_capabilities", None)
-    if capabilities is None:
-        return frozenset()
-    has = capabilities()
-    missing = set()
-    if not (has.get("avx512_bf16") or has.get("amx_bf16")):
-        missing.add(torch.bfloat16)
-    if not (has.get("avx512_fp16") or has.get("amx_fp16")):
-        missing.add(torch.float16)
-    return frozenset(missing)
-
+from hybridlm.ops.cpu_features import dtypes_without_cpu_products
 
 #: bf16 / fp16, where this CPU has no products of its own in them
-DTYPES_WITHOUT_CPU_PRODUCTS = _dtypes_without_cpu_products()
+DTYPES_WITHOUT_CPU_PRODUCTS = dtypes_without_cpu_products()
 #: rows (tokens) of a product from which its fp32 copy is the faster (level at 3; see the module docstring)
 MIN_FP32_ROWS = 4
 

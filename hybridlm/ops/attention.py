@@ -9,6 +9,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.cpu_features import cpu_has_amx_bf16
+
 
 def attention_ref(
     q: torch.Tensor,
@@ -44,18 +46,8 @@ def attention_ref(
 #: rows of queries per key/value head (query heads of a group x queries) up to which a CPU bf16/fp16 attention
 #: is written out in fp32 instead of calling SDPA
 FEW_QUERY_ROWS = 16
-
-
-def _cpu_has_amx_bf16() -> bool:
-    """Whether this CPU has AMX-BF16 tiles (Intel Sapphire Rapids and newer), which SDPA's CPU kernel uses for
-    bf16 products; AVX-512 BF16 alone (an AMD Zen 4) does not make it fast. A torch without
-    ``torch.cpu.get_capabilities`` (older than the one this was measured on) answers False: bf16 decode then
-    takes the written-out attention, which is as exact, and slower only on AMX CPUs."""
-    capabilities = getattr(torch.cpu, "get_capabilities", None)
-    return capabilities is not None and bool(capabilities().get("amx_bf16", False))
-
-
-CPU_HAS_AMX_BF16 = _cpu_has_amx_bf16()
+#: AMX-BF16 tiles, which make SDPA's CPU kernel fast in bf16
+CPU_HAS_AMX_BF16 = cpu_has_amx_bf16()
 
 
 def _few_reduced_precision_queries_on_cpu(q: torch.Tensor, k: torch.Tensor) -> bool:

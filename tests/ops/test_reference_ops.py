@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hybridlm.ops.ssd as ssd_module
+from hybridlm.ops import cpu_features
 from hybridlm.ops.attention import attention_ref
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
@@ -503,14 +504,20 @@ def test_written_out_attention_copies_the_keys_to_fp32_in_pieces(key_chunk, most
         assert torch.equal(out, one_copy.reshape(2, 6, 1, 16).bfloat16())
 
 
-def test_amx_bf16_is_read_from_torchs_cpu_capabilities_and_is_false_without_them(monkeypatch):
+def test_cpu_features_are_read_from_torchs_cpu_capabilities_and_are_absent_without_them(monkeypatch):
     monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": True, "avx512_bf16": True},
                         raising=False)
-    assert attention_module._cpu_has_amx_bf16()
-    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": False, "avx512_bf16": True})
-    assert not attention_module._cpu_has_amx_bf16()
-    monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch
-    assert not attention_module._cpu_has_amx_bf16()
+    assert cpu_features.cpu_has_amx_bf16()
+    assert cpu_features.dtypes_without_cpu_products() == {torch.float16}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"amx_bf16": False, "avx512_bf16": True,
+                                                                "avx512_fp16": True})
+    assert not cpu_features.cpu_has_amx_bf16()
+    assert cpu_features.dtypes_without_cpu_products() == set()
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx2": True})
+    assert cpu_features.dtypes_without_cpu_products() == {torch.bfloat16, torch.float16}
+    monkeypatch.delattr(torch.cpu, "get_capabilities")  # an older torch: torch's own paths everywhere
+    assert not cpu_features.cpu_has_amx_bf16()
+    assert cpu_features.dtypes_without_cpu_products() == set()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
