@@ -28,10 +28,10 @@ _BELOW_CONFIG = {"base", "ops", "layers", "cache", "mixers"}
 #: < decoding < training < cli. The root ``hybridlm/__init__.py`` (tier "api") may import anything.
 ALLOWED = {
     "base": {"base"},
-    "ops": {"ops"},
-    "layers": {"ops", "layers"},
-    "cache": {"ops", "cache"},
-    "mixers": {"ops", "layers", "cache", "mixers"},
+    "ops": {"base", "ops"},
+    "layers": {"base", "ops", "layers"},
+    "cache": {"base", "ops", "cache"},
+    "mixers": {"base", "ops", "layers", "cache", "mixers"},
     "config": _BELOW_CONFIG | {"config"},
     "formats": _BELOW_CONFIG | {"config", "formats"},
     "model": _BELOW_CONFIG | {"config", "formats", "model"},

@@ -58,8 +58,9 @@ def test_torch_floor_covers_every_version_gated_api_in_use():
                             "add the API that needs it to GATED_TORCH_APIS"
 
 
-def test_wheel_carries_the_cuda_sources_and_build_kernels_finds_them(tmp_path):
-    """kernels/ ships in the wheel as hybridlm/_kernels, and an installed wheel (not the source tree) finds it."""
+def test_wheel_carries_the_kernel_sources_and_build_kernels_finds_them(tmp_path):
+    """kernels/ (CUDA and CPU sources) ships in the wheel as hybridlm/_kernels, and an installed wheel (not the
+    source tree) finds it."""
     pytest.importorskip("setuptools")
     from hybridlm.ops.cuda import KERNEL_DIR, SOURCES
 
@@ -85,12 +86,14 @@ def test_wheel_carries_the_cuda_sources_and_build_kernels_finds_them(tmp_path):
                    check=True, capture_output=True, timeout=300)
     import torch
 
-    check = ("from hybridlm.cli import main; main(['build-kernels'])" if torch.version.cuda is None else
-             "from hybridlm.ops.cuda import KERNEL_DIR; print('CUDA sources:', KERNEL_DIR)")  # no minute-long build
+    check = ("from hybridlm.ops.cpu_kernels import SOURCE; print('CPU source:', SOURCE, SOURCE.is_file()); "
+             + ("from hybridlm.cli import main; main(['build-kernels'])" if torch.version.cuda is None else
+                "from hybridlm.ops.cuda import KERNEL_DIR; print('CUDA sources:', KERNEL_DIR)"))  # no minute-long build
     run = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(installed)})
     found = f"CUDA sources: {installed / 'hybridlm' / '_kernels' / 'selective_scan'}"
     assert found in run.stdout, run.stdout + run.stderr
+    assert f"CPU source: {installed / 'hybridlm' / '_kernels' / 'cpu' / 'scans.cpp'} True" in run.stdout, run.stdout
     if torch.version.cuda is None:
         assert run.returncode == 2 and "this torch build has no CUDA" in run.stderr, run.stderr
 

@@ -8,7 +8,15 @@ import os
 
 import torch
 
-from hybridlm.ops.backends import BACKENDS, ENV_VAR, PREFERENCE, current, in_use_backend_block, unavailable_reason
+from hybridlm.ops.backends import (
+    BACKENDS,
+    CPU_BACKENDS,
+    ENV_VAR,
+    PREFERENCE,
+    current,
+    in_use_backend_block,
+    unavailable_reason,
+)
 
 
 def report(device: str | torch.device | None = None) -> str:
@@ -29,10 +37,9 @@ def report(device: str | torch.device | None = None) -> str:
         forced = selection.forced.get(op)
         if forced is not None:
             uses = f"{forced} (forced)" + ("" if reasons[forced] is None else f" UNAVAILABLE {note(reasons[forced])}")
-        elif device_type != "cuda":
-            uses = "torch"
         else:
-            uses = " > ".join(b for b in names if reasons[b] is None)
+            tried = names if device_type == "cuda" else [b for b in names if b in (*CPU_BACKENDS, "torch")]
+            uses = " > ".join(b for b in tried if reasons[b] is None)
         rows.append((op, uses, *cells))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     setting = os.environ.get(ENV_VAR) or "unset"

@@ -1,11 +1,13 @@
 """Which implementation runs each op: the torch reference, our Triton or CUDA kernels, or an installed library.
 
 Backends: ``torch`` (the reference: every op, every device), ``triton`` (:mod:`hybridlm.ops.triton`), ``cuda``
-(our C++ selective scan, :mod:`hybridlm.ops.cuda`), and ``mamba_ssm``, ``causal_conv1d``, ``flash_attn``, ``fla``
-(flash-linear-attention) when installed (adapters in :mod:`hybridlm.ops.external`).
+(our CUDA selective scan, :mod:`hybridlm.ops.cuda`), ``cpu`` (our C++ CPU scans, :mod:`hybridlm.ops.cpu_kernels`),
+and ``mamba_ssm``, ``causal_conv1d``, ``flash_attn``, ``fla`` (flash-linear-attention) when installed (adapters
+in :mod:`hybridlm.ops.external`).
 
-The choice is made per call from the device of the op's first tensor. By default CPU tensors run the reference and
-CUDA tensors the first available backend in :data:`PREFERENCE` that accepts the call (an adapter declines calls its
+The choice is made per call from the device of the op's first tensor. By default CPU tensors run our C++ CPU scan
+where one exists and can be built (:data:`CPU_BACKENDS`), else the reference, and CUDA tensors the first available
+backend in :data:`PREFERENCE` that accepts the call (an adapter declines calls its
 library cannot serve exactly, e.g. mamba-ssm's selective scan with an initial state). Choices can be forced:
 
 * ``HYBRIDLM_BACKEND=triton``: every op that has a Triton kernel uses it (the others keep their default);
@@ -48,16 +50,18 @@ from hybridlm.ops.ssd import ssd_chunk_scan_ref
 
 ENV_VAR = "HYBRIDLM_BACKEND"
 AUTO = "auto"
-BACKENDS = ("torch", "triton", "cuda", "mamba_ssm", "causal_conv1d", "flash_attn", "fla")
+BACKENDS = ("torch", "triton", "cuda", "cpu", "mamba_ssm", "causal_conv1d", "flash_attn", "fla")
+#: backends the default tries on CPU tensors (Triton runs there only in its interpreter, when forced)
+CPU_BACKENDS = ("cpu",)
 LIBRARIES = ("mamba_ssm", "causal_conv1d", "flash_attn", "fla")  # third-party backends: one importable package each
 
 # The backends of each op, in the order the default tries them on CUDA tensors (expected fastest first, to be
-# confirmed by benchmarks/gpu_check.sh); the reference always comes last.
+# confirmed by benchmarks/gpu_check.sh; on CPU tensors it tries those of CPU_BACKENDS); the reference comes last.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "attention": ("flash_attn", "torch"),
     "selective_scan": ("cuda", "triton", "mamba_ssm", "torch"),
     "selective_state_update": ("triton", "mamba_ssm", "torch"),
-    "ssd_chunk_scan": ("triton", "mamba_ssm", "torch"),
+    "ssd_chunk_scan": ("triton", "mamba_ssm", "cpu", "torch"),
     "causal_conv1d": ("causal_conv1d", "triton", "torch"),
     "causal_conv1d_update": ("causal_conv1d", "triton", "torch"),
     "causal_linear_attention": ("triton", "torch"),
@@ -134,6 +138,10 @@ def _probe(backend: str, op: str, device_type: str) -> str | None:
         return None
     if backend == "triton":
         return _triton_reason(device_type)
+    if backend == "cpu":
+        from hybridlm.ops import cpu_kernels
+
+        return cpu_kernels.unavailable_reason() if device_type == "cpu" else f"runs on CPU tensors, not {device_type}"
     if device_type != "cuda":
         return f"{backend} runs on CUDA tensors only, not {device_type}"
     if not torch.cuda.is_available():
@@ -174,6 +182,14 @@ def _loader(backend: str, op: str) -> Callable[[], Callable]:
             return cuda.selective_scan
 
         return load_cuda
+    if backend == "cpu":
+        def load_cpu():
+            from hybridlm.ops import cpu_kernels
+
+            cpu_kernels.load_library()  # builds the library on first use
+            return getattr(cpu_kernels, op)
+
+        return load_cpu
     from hybridlm.ops.external import LOADERS
 
     return LOADERS[(backend, op)]
@@ -243,10 +259,9 @@ def _forced_plan(op: str, backend: str, device_type: str) -> Plan:
 
 
 def _default_plan(op: str, device_type: str) -> Plan:
-    if device_type != "cuda":
-        return Plan((), REFERENCES[op], ("torch",))
+    tried = {"cuda": PREFERENCE[op][:-1], "cpu": tuple(b for b in PREFERENCE[op] if b in CPU_BACKENDS)}
     candidates, names = [], []
-    for backend in PREFERENCE[op][:-1]:
+    for backend in tried.get(device_type, ()):
         if unavailable_reason(backend, op, device_type) is not None:
             continue
         try:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from hybridlm import ops
 from hybridlm.ops import backends, external
-from hybridlm.ops.backends import BACKENDS, ENV_VAR, PREFERENCE, REFERENCES, BackendUnavailable, Declined
+from hybridlm.ops.backends import BACKENDS, CPU_BACKENDS, ENV_VAR, PREFERENCE, REFERENCES, BackendUnavailable, Declined
 from tests.helpers import assert_close_rel
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
@@ -84,11 +84,15 @@ def test_public_ops_keep_the_reference_signatures():
 
 
 @pytest.mark.parametrize("op", list(PREFERENCE))
-def test_cpu_default_is_the_reference(op):
-    assert backends.chosen(op, "cpu") == ("torch",)
+def test_cpu_default_is_our_cpu_kernel_where_it_runs_else_the_reference(op):
+    ours = [b for b in PREFERENCE[op] if b in CPU_BACKENDS and backends.unavailable_reason(b, op, "cpu") is None]
+    assert backends.chosen(op, "cpu") == (*ours, "torch")
     args, kwargs = sample_call(op, "cpu")
     for got, expected in zip(run(getattr(ops, op), args, kwargs), run(REFERENCES[op], args, kwargs), strict=True):
-        assert torch.equal(got, expected)
+        if ours:  # the same values, rounded differently (tests/ops/test_cpu_kernels.py bounds it)
+            assert_close_rel(got, expected, rel=1e-5)
+        else:
+            assert torch.equal(got, expected)
 
 
 @pytest.fixture
@@ -224,7 +228,10 @@ def test_report_lists_every_op_and_backend_with_reasons(monkeypatch):
     assert set(rows) == set(PREFERENCE)
     header = next(line.split() for line in text.splitlines() if line.startswith("op "))
     assert header == ["op", "uses", *BACKENDS]
-    assert all(row[1] == "torch" for row in rows.values())  # CPU default
+    for op, row in rows.items():  # CPU default: our CPU kernel where it runs, else the reference
+        ours = [b for b in PREFERENCE[op] if b in CPU_BACKENDS and backends.unavailable_reason(b, op, "cpu") is None]
+        uses = " > ".join([*ours, "torch"]).split()
+        assert row[1:1 + len(uses)] == uses, row
     assert "runs on CUDA tensors only, not cpu" in text
     monkeypatch.setenv(ENV_VAR, "selective_scan=cuda")
     backends.reload_environment()

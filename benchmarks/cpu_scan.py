@@ -1,0 +1,102 @@
+"""Mamba-2's SSD on the CPU: the chunked scan of ``hybridlm/ops/ssd.py`` (backend ``torch``) against our C++
+sequential scan (backend ``cpu``, ``hybridlm/ops/cpu_kernels.py``, the default where a C++ compiler exists), first
+the op alone at the shapes of the peer models, then whole eager prefills of the bundled hybrid and of the
+``mamba2-lm-small`` preset (random weights): the models ``cpu_peers.py`` runs.
+
+The two backends take turns call by call (order reversed every other round) after a warm-up round; the script
+prints min / median and the medians' ratio (torch / cpu: > 1, the C++ scan is faster).
+
+    python benchmarks/cpu_scan.py [--threads 1 2] [--tokens 256 2048] [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+import hybridlm  # noqa: E402
+from hybridlm import ops  # noqa: E402
+from hybridlm.presets import preset  # noqa: E402
+
+#: (name, heads, head_dim, dstate): the bundled hybrid's Mamba-2 layers, cpu_peers.py's Mamba-2 model, and a
+#: mid-sized layer (Mamba-2 780M: 48 heads of 64, state 128)
+SCAN_SHAPES = [("hybrid", 8, 32, 32), ("peer mamba2", 16, 32, 64), ("mamba2-780m layer", 48, 64, 128)]
+BACKENDS = ("torch", "cpu")
+
+
+def interleaved(call, rounds: int) -> dict[str, tuple[float, float]]:
+    """backend -> (min, median) seconds of ``call()`` under ``use_backend(ssd_chunk_scan=backend)``."""
+    times = {backend: [] for backend in BACKENDS}
+    for round_ in range(rounds + 1):
+        for backend in BACKENDS if round_ % 2 == 0 else reversed(BACKENDS):
+            with ops.use_backend(ssd_chunk_scan=backend):
+                start = time.perf_counter()
+                call()
+                if round_:
+                    times[backend].append(time.perf_counter() - start)
+    return {backend: (min(t), statistics.median(t)) for backend, t in times.items()}
+
+
+def report(head: str, times: dict) -> None:
+    ratio = times["torch"][1] / times["cpu"][1]
+    print(f"{head}: " + ", ".join(f"{backend} {t[0] * 1e3:.2f} / {t[1] * 1e3:.2f}" for backend, t in times.items())
+          + f" ms min / median; torch / cpu x{ratio:.2f}", flush=True)
+
+
+@torch.inference_mode()
+def scan_call(tokens: int, heads: int, head_dim: int, dstate: int):
+    g = torch.Generator().manual_seed(0)
+    x, B, C = (torch.randn(1, tokens, *shape, generator=g) for shape in ((heads, head_dim), (1, dstate), (1, dstate)))
+    dt, A = torch.rand(1, tokens, heads, generator=g) * 0.1, -torch.rand(heads, generator=g)
+    D, state = torch.ones(heads), torch.zeros(1, heads, head_dim, dstate)
+    return lambda: ops.ssd_chunk_scan(x, dt, A, B, C, 256, D=D, initial_state=state)
+
+
+def models() -> dict[str, hybridlm.HybridForCausalLM]:
+    torch.manual_seed(0)
+    return {"bundled hybrid": hybridlm.HybridForCausalLM.from_pretrained(hybridlm.bundled_model_dir("hybrid")),
+            "mamba2-lm-small": hybridlm.HybridForCausalLM(preset("mamba2-lm-small"))}
+
+
+def prefill_call(model: hybridlm.HybridForCausalLM, tokens: int):
+    config = model.config
+    ids = torch.randint(0, config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+
+    @torch.inference_mode()
+    def call():
+        cache = model.new_cache(1, max_length=tokens + 64, static=True)
+        model(ids, cache=cache, logits_to_keep=1)
+
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    reason = ops.backends.unavailable_reason("cpu", "ssd_chunk_scan", "cpu")
+    if reason is not None:
+        sys.exit(f"the C++ CPU scan cannot run here: {reason}")
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for name, heads, head_dim, dstate in SCAN_SHAPES:
+            for tokens in args.tokens:
+                report(f"{threads} thread(s), scan {name} ({heads} heads x {head_dim} x {dstate}), {tokens} tokens",
+                       interleaved(scan_call(tokens, heads, head_dim, dstate), args.rounds))
+        for name, model in models().items():
+            for tokens in args.tokens:
+                report(f"{threads} thread(s), prefill {name}, {tokens} tokens",
+                       interleaved(prefill_call(model.eval(), tokens), args.rounds))
+
+
+if __name__ == "__main__":
+    main()
