@@ -4,7 +4,8 @@ literal recurrence, the ``cpu`` backend of ``ssd_chunk_scan`` and the default fo
 The chunked scan of :mod:`hybridlm.ops.ssd` issues about 240 tensor ops per call; at the state sizes of small and
 mid-sized models those cost more than the arithmetic, and more still at 2 threads. The recurrence in C++ does the
 same work one token at a time from registers: measured on an AVX2 EPYC (1 thread, min), 256 tokens of 8 heads x 32
-x 32 in 0.28 against 1.28 ms, 2,048 tokens of 16 heads x 32 x 64 in 7.1 against 24.2 ms (``benchmarks/cpu_scan.py``).
+x 32 in 0.34 against 1.54 ms, 2,048 tokens of 16 heads x 32 x 64 in 7.0 against 25.5 ms (``benchmarks/cpu_scan.py``).
+Its threads are OpenMP's: in a torch process the library shares torch's runtime and thread pool.
 
 The source has a plain C interface and no torch headers, so the system C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) builds it in about a second on first use, for this CPU (``-march=native``). The library is
@@ -33,7 +34,7 @@ from hybridlm.ops.cuda import kernel_sources
 from hybridlm.ops.declined import Declined
 
 SOURCE = kernel_sources() / "cpu" / "scans.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
 CACHE_ENV = "HYBRIDLM_KERNEL_CACHE"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -52,8 +53,8 @@ def compiler() -> list[str] | None:
 
 def unavailable_reason() -> str | None:
     """Why the CPU scans cannot run here, or None if they can (builds nothing)."""
-    if platform.system() not in ("Linux", "Darwin"):
-        return f"built with a Unix C++ toolchain; this is {platform.system()}"
+    if platform.system() != "Linux":
+        return f"built for Linux (OpenMP through torch's libgomp); this is {platform.system()}"
     command = compiler()
     if command is None:
         return "no C++ compiler (set CXX, or install g++ or clang++)"

@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -77,8 +76,9 @@ void scan_head(const SsdArgs& a, int64_t b, int64_t h) {
 }
 
 // Below this many state updates (time x head_dim x dstate, summed over its share of heads) a thread is not worth
-// starting: about 0.1 ms of work.
-constexpr int64_t kMinUpdatesPerThread = 1 << 20;
+// waking: about 25 us of work. The threads are OpenMP's, the same runtime (libgomp.so.1) and pool as torch's, so
+// that torch's threads, spinning after its last parallel region, do not compete with threads of our own.
+constexpr int64_t kMinUpdatesPerThread = 1 << 18;
 
 }  // namespace
 
@@ -89,12 +89,6 @@ extern "C" void ssd_scan_f32(const float* x, const float* dt, const float* A, co
   const int64_t items = batch * heads;
   const int64_t updates = items * time * head_dim * dstate;
   threads = std::max<int64_t>(1, std::min({threads, items, updates / kMinUpdatesPerThread}));
-  auto run = [&a](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) scan_head(a, i / a.heads, i % a.heads);
-  };
-  const int64_t share = (items + threads - 1) / threads;
-  std::vector<std::thread> helpers;
-  for (int64_t k = 1; k < threads; ++k) helpers.emplace_back(run, std::min(items, k * share), std::min(items, (k + 1) * share));
-  run(0, std::min(items, share));
-  for (auto& helper : helpers) helper.join();
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < items; ++i) scan_head(a, i / a.heads, i % a.heads);
 }
