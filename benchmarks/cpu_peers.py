@@ -290,7 +290,8 @@ def plot(results: list[dict], path: Path) -> None:
 def markdown(record: dict) -> str:
     """One record as a markdown table: greedy agreement, prefill tok/s and decode ms/token, min / median per
     engine, and each other engine's median over hybridlm compiled's (time ratios, so > 1: hybridlm faster)."""
-    engines = list(dict.fromkeys(label for cell in record["decode"].values() for label in cell))
+    tables = (*record["decode"].values(), *record["prefill"].values())  # either may be empty (--contexts)
+    engines = list(dict.fromkeys(label for table in tables for label in table))
     head = f"| {record['model']} ({record['format']}) {record['precision']}, {record['threads']} thread(s) | "
     lines = [head + " | ".join(engines) + " | " + " | ".join(f"{e} / hybridlm" for e in engines[1:]) + " |",
              "|---" * (2 * len(engines)) + "|"]

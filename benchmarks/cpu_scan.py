@@ -1,7 +1,8 @@
-"""Mamba-2's SSD on the CPU: the chunked scan of ``hybridlm/ops/ssd.py`` (backend ``torch``) against our C++
-sequential scan (backend ``cpu``, ``hybridlm/ops/cpu_kernels.py``, the default where a C++ compiler exists), first
-the op alone at the shapes of the peer models, then whole eager prefills of the bundled hybrid and of the
-``mamba2-lm-small`` preset (random weights): the models ``cpu_peers.py`` runs.
+"""The Mamba scans on the CPU: the chunked references (``hybridlm/ops/ssd.py``'s SSD, ``selective_scan.py``'s Mamba-1
+scan; backend ``torch``) against our C++ sequential scans (backend ``cpu``, ``hybridlm/ops/cpu_kernels.py``, the
+default where a C++ compiler exists). First the ops alone, at the shapes of the peer models and of larger layers,
+then whole eager prefills: the bundled hybrid and the ``mamba2-lm-small`` preset (the models ``cpu_peers.py`` runs),
+and the Jamba shape of ``hf_speed.py`` (random weights).
 
 The two backends take turns call by call (order reversed every other round) after a warm-up round; the script
 prints min / median and the medians' ratio (torch / cpu: > 1, the C++ scan is faster).
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +26,14 @@ import hybridlm  # noqa: E402
 from hybridlm import ops  # noqa: E402
 from hybridlm.presets import preset  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import hf_speed  # noqa: E402
+
 #: (name, heads, head_dim, dstate): the bundled hybrid's Mamba-2 layers, cpu_peers.py's Mamba-2 model, and a
 #: mid-sized layer (Mamba-2 780M: 48 heads of 64, state 128)
 SCAN_SHAPES = [("hybrid", 8, 32, 32), ("peer mamba2", 16, 32, 64), ("mamba2-780m layer", 48, 64, 128)]
+#: (name, channels, dstate, groups) of Mamba-1 layers: hf_speed.py's Jamba shape, Mamba-130m, Mamba-1.4b
+SELECTIVE_SHAPES = [("jamba shape", 512, 16, 1), ("mamba-130m layer", 1536, 16, 1), ("mamba-1.4b layer", 4096, 16, 1)]
 BACKENDS = ("torch", "cpu")
 
 
@@ -35,7 +42,7 @@ def interleaved(call, rounds: int) -> dict[str, tuple[float, float]]:
     times = {backend: [] for backend in BACKENDS}
     for round_ in range(rounds + 1):
         for backend in BACKENDS if round_ % 2 == 0 else reversed(BACKENDS):
-            with ops.use_backend(ssd_chunk_scan=backend):
+            with ops.use_backend(ssd_chunk_scan=backend, selective_scan=backend):
                 start = time.perf_counter()
                 call()
                 if round_:
@@ -58,10 +65,24 @@ def scan_call(tokens: int, heads: int, head_dim: int, dstate: int):
     return lambda: ops.ssd_chunk_scan(x, dt, A, B, C, 256, D=D, initial_state=state)
 
 
+@torch.inference_mode()
+def selective_call(tokens: int, channels: int, dstate: int, groups: int):
+    g = torch.Generator().manual_seed(0)
+    u, delta, z = (torch.randn(1, channels, tokens, generator=g) for _ in range(3))
+    A = -torch.rand(channels, dstate, generator=g) * 4
+    B, C = (torch.randn(1, groups, dstate, tokens, generator=g) for _ in range(2))
+    D, bias, state = torch.ones(channels), torch.randn(channels, generator=g), torch.zeros(1, channels, dstate)
+    return lambda: ops.selective_scan(u, delta, A, B, C, D, z, delta_bias=bias, delta_softplus=True,
+                                      initial_state=state)
+
+
 def models() -> dict[str, hybridlm.HybridForCausalLM]:
     torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as directory:
+        hf_speed.jamba().save_pretrained(directory)
+        jamba = hybridlm.HybridForCausalLM.from_pretrained(directory)
     return {"bundled hybrid": hybridlm.HybridForCausalLM.from_pretrained(hybridlm.bundled_model_dir("hybrid")),
-            "mamba2-lm-small": hybridlm.HybridForCausalLM(preset("mamba2-lm-small"))}
+            "mamba2-lm-small": hybridlm.HybridForCausalLM(preset("mamba2-lm-small")), "jamba shape": jamba}
 
 
 def prefill_call(model: hybridlm.HybridForCausalLM, tokens: int):
@@ -82,7 +103,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    reason = ops.backends.unavailable_reason("cpu", "ssd_chunk_scan", "cpu")
+    reason = ops.backends.unavailable_reason("cpu", "selective_scan", "cpu")
     if reason is not None:
         sys.exit(f"the C++ CPU scan cannot run here: {reason}")
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
@@ -92,6 +113,10 @@ def main() -> None:
             for tokens in args.tokens:
                 report(f"{threads} thread(s), scan {name} ({heads} heads x {head_dim} x {dstate}), {tokens} tokens",
                        interleaved(scan_call(tokens, heads, head_dim, dstate), args.rounds))
+        for name, channels, dstate, groups in SELECTIVE_SHAPES:
+            for tokens in args.tokens:
+                report(f"{threads} thread(s), selective scan {name} ({channels} channels x {dstate}), {tokens} tokens",
+                       interleaved(selective_call(tokens, channels, dstate, groups), args.rounds))
         for name, model in models().items():
             for tokens in args.tokens:
                 report(f"{threads} thread(s), prefill {name}, {tokens} tokens",

@@ -1,8 +1,9 @@
 """Prefill and training against this CPU's matmul peak, hybridlm beside transformers, in one run.
 
-It first measures the peak: the fastest of ``--repeats`` fp32 (and bf16) ``n x n @ n x n`` products (``--peak-n``,
-2048) at the thread count printed. Then, for the Jamba-, Mamba-2- and Bamba-shaped models of ``hf_speed.py``
-(hidden 256, 8 layers; transformers builds them with a fixed seed, hybridlm loads the directory it wrote):
+It first measures the peak: the fastest of ``--repeats`` fp32 (and bf16, where the CPU has bf16 products)
+``n x n @ n x n`` products (``--peak-n``, 2048) at the thread count printed. Then, for the Jamba-, Mamba-2- and
+Bamba-shaped models of ``hf_speed.py`` (hidden 256, 8 layers; transformers builds them with a fixed seed, hybridlm
+loads the directory it wrote):
 
 * the FLOPs of a prefill of ``--prefill`` tokens (2048) and of a training step (forward + backward of the
   next-token loss over ``--batch`` x ``--length``, 4 x 512), as torch's ``FlopCounterMode`` counts them (matrix
@@ -13,10 +14,11 @@ It first measures the peak: the fastest of ``--repeats`` fp32 (and bf16) ``n x n
 * the fraction of peak: model FLOPs / peak / time (the time the model's FLOPs would take at the peak, over the
   time taken), where the model FLOPs are the smaller of the two libraries' counts (their algorithms count
   differently, a chunked scan's matrix products more than a sequential one's: each library's own count is printed
-  beside), and transformers / hybridlm time (> 1: hybridlm is faster);
+  beside; the C++ CPU scans, which a prefill runs, count none), and transformers / hybridlm time (> 1: hybridlm is
+  faster);
 * with ``--profile``, hybridlm's ten costliest operators in each, by self CPU time.
 
-    python benchmarks/roofline.py [--models jamba mamba2 bamba] [--threads 1] [--profile]
+    python benchmarks/roofline.py [--models jamba mamba2 bamba] [--tasks prefill train] [--threads 1] [--profile]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hf_speed import MODELS, VOCAB
 from torch.utils.flop_counter import FlopCounterMode
 
 import hybridlm
+from hybridlm.ops.cpu_features import dtypes_without_cpu_products
 
 
 def peak_flops(n: int, dtype: torch.dtype, repeats: int) -> float:
@@ -84,13 +87,15 @@ def measure(name: str, args, peak: float) -> None:
     batch = torch.randint(1, VOCAB, (args.batch, args.length), generator=generator)
     optimizers = {label: torch.optim.AdamW(model.parameters(), lr=1e-4) for label, model in models.items()}
     work = {
-        f"prefill {args.prefill}": {label: (lambda m=model: prefill(m.eval(), prompt))
-                                    for label, model in models.items()},
-        f"train {args.batch}x{args.length}": {label: (lambda m=model, o=optimizers[label]: train_step(m.train(), o,
-                                                                                                      batch))
-                                              for label, model in models.items()},
+        ("prefill", f"prefill {args.prefill}"): {label: (lambda m=model: prefill(m.eval(), prompt))
+                                                 for label, model in models.items()},
+        ("train", f"train {args.batch}x{args.length}"): {
+            label: (lambda m=model, o=optimizers[label]: train_step(m.train(), o, batch))
+            for label, model in models.items()},
     }
-    for task, runs in work.items():
+    for (kind, task), runs in work.items():
+        if kind not in args.tasks:
+            continue
         flops = {label: counted_flops(fn) for label, fn in runs.items()}
         times = {label: [] for label in runs}
         for index in range(args.warmup + args.repeats):
@@ -123,12 +128,16 @@ def main() -> None:
     parser.add_argument("--peak-n", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="hybridlm's costliest operators in each task")
+    parser.add_argument("--tasks", nargs="+", choices=["prefill", "train"], default=["prefill", "train"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     peak = peak_flops(args.peak_n, torch.float32, args.repeats)
-    bf16 = peak_flops(args.peak_n, torch.bfloat16, max(1, args.repeats // 2))
+    if torch.bfloat16 in dtypes_without_cpu_products():  # a scalar fallback: minutes for one product, and moot
+        bf16 = "not measured (no bf16 products on this CPU)"
+    else:
+        bf16 = f"{peak_flops(args.peak_n, torch.bfloat16, max(1, args.repeats // 2)) / 1e9:.1f} GFLOP/s"
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
-          f"matmul peak ({args.peak_n}^3): fp32 {peak / 1e9:.1f} GFLOP/s, bf16 {bf16 / 1e9:.1f} GFLOP/s", flush=True)
+          f"matmul peak ({args.peak_n}^3): fp32 {peak / 1e9:.1f} GFLOP/s, bf16 {bf16}", flush=True)
     for name in args.models:
         measure(name, args, peak)
 

@@ -59,7 +59,7 @@ LIBRARIES = ("mamba_ssm", "causal_conv1d", "flash_attn", "fla")  # third-party b
 # confirmed by benchmarks/gpu_check.sh; on CPU tensors it tries those of CPU_BACKENDS); the reference comes last.
 PREFERENCE: dict[str, tuple[str, ...]] = {
     "attention": ("flash_attn", "torch"),
-    "selective_scan": ("cuda", "triton", "mamba_ssm", "torch"),
+    "selective_scan": ("cuda", "triton", "mamba_ssm", "cpu", "torch"),
     "selective_state_update": ("triton", "mamba_ssm", "torch"),
     "ssd_chunk_scan": ("triton", "mamba_ssm", "cpu", "torch"),
     "causal_conv1d": ("causal_conv1d", "triton", "torch"),

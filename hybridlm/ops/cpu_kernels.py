@@ -1,19 +1,22 @@
-"""Our C++ CPU scans (``kernels/cpu/scans.cpp``, shipped as ``hybridlm/_kernels/cpu``): Mamba-2's SSD as the
-literal recurrence, the ``cpu`` backend of ``ssd_chunk_scan`` and the default for CPU tensors where it can run.
+"""Our C++ CPU scans (``kernels/cpu/scans.cpp``, shipped as ``hybridlm/_kernels/cpu``): Mamba-2's SSD and
+Mamba-1's selective scan as the literal recurrences, the ``cpu`` backend of ``ssd_chunk_scan`` and
+``selective_scan``, and their default on CPU tensors where it can run.
 
-The chunked scan of :mod:`hybridlm.ops.ssd` issues about 240 tensor ops per call; at the state sizes of small and
-mid-sized models those cost more than the arithmetic, and more still at 2 threads. The recurrence in C++ does the
-same work one token at a time from registers: measured on an AVX2 EPYC (1 thread, min), 256 tokens of 8 heads x 32
-x 32 in 0.34 against 1.54 ms, 2,048 tokens of 16 heads x 32 x 64 in 7.0 against 25.5 ms (``benchmarks/cpu_scan.py``).
-Its threads are OpenMP's: in a torch process the library shares torch's runtime and thread pool.
+The chunked references issue hundreds of tensor ops per call (about 240 for the SSD) and stream their
+intermediates through memory; at the state sizes of small and mid-sized models that costs more than the
+arithmetic, and more still at 2 threads. The recurrences in C++ do the same work one token at a time from
+registers. Measured on an AVX2 EPYC, 1 thread, min, reference against C++ (``benchmarks/cpu_scan.py``): the SSD of
+256 tokens of 8 heads x 32 x 32 in 1.54 against 0.34 ms, of 2,048 tokens of 16 heads x 32 x 64 in 25.5 against
+7.0 ms; Mamba-1's scan of 2,048 tokens of 512 channels x 16 in 88.6 against 32.3 ms. Their threads are OpenMP's:
+in a torch process the library shares torch's runtime and thread pool.
 
 The source has a plain C interface and no torch headers, so the system C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) builds it in about a second on first use, for this CPU (``-march=native``). The library is
 cached under ``$HYBRIDLM_KERNEL_CACHE`` (default ``~/.cache/hybridlm/kernels``), named by a digest of the source,
 the flags, the compiler and this CPU's features, written aside and renamed into place, with its sha256 beside it
-(a library that fails it is built again). Without a compiler the
-backend is unavailable and the reference runs. It serves inference only: a call that needs gradients, packed
-sequences, float64, or runs inside ``torch.compile``, is declined to the reference.
+(a library that fails it is built again). Without a compiler the backend is unavailable and the references run.
+It serves inference only: a call that needs gradients, packed sequences, float64, or runs inside ``torch.compile``,
+is declined to the reference.
 """
 
 from __future__ import annotations
@@ -28,13 +31,15 @@ import subprocess
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from hybridlm.files import sha256_of, write_file, written_aside
 from hybridlm.ops.cuda import kernel_sources
 from hybridlm.ops.declined import Declined
+from hybridlm.ops.selective_scan import skip_and_gate
 
 SOURCE = kernel_sources() / "cpu" / "scans.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 CACHE_ENV = "HYBRIDLM_KERNEL_CACHE"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -100,7 +105,8 @@ def load_library() -> ctypes.CDLL:
         except OSError as error:
             raise RuntimeError(f"hybridlm CPU scans: cannot load {path} ({error}); delete it to rebuild") from None
         library.ssd_scan_f32.argtypes = [_FLOAT_P] * 8 + [_INT] * 7
-        library.ssd_scan_f32.restype = None
+        library.selective_scan_f32.argtypes = [_FLOAT_P] * 7 + [_INT] * 6
+        library.ssd_scan_f32.restype = library.selective_scan_f32.restype = None
         _library = library
     return _library
 
@@ -131,6 +137,7 @@ def _build(path: Path) -> None:
 
 
 def _pointer(tensor: torch.Tensor | None):
+    """``tensor``'s data as a ``float*``; the caller keeps the tensor alive until the C call returns."""
     return None if tensor is None else ctypes.cast(tensor.data_ptr(), _FLOAT_P)
 
 
@@ -157,17 +164,71 @@ def ssd_chunk_scan(
                          f"B {tuple(B.shape)}, C {tuple(C.shape)} disagree")
     xf, dtf, Af, Bf, Cf = (t.detach().float().contiguous() for t in (x, dt, A, B, C))
     skip = None if D is None else D.detach().float().reshape(heads, -1).expand(heads, head_dim).contiguous()
-    if initial_state is None:
-        state = xf.new_zeros(batch, heads, head_dim, dstate)
-    else:
-        if initial_state.shape != (batch, heads, head_dim, dstate):
-            raise ValueError(f"ssd_chunk_scan: initial_state {tuple(initial_state.shape)} is not "
-                             f"{(batch, heads, head_dim, dstate)}")
-        state = initial_state.detach().float().clone(memory_format=torch.contiguous_format)
+    state = _initial_state(initial_state, (batch, heads, head_dim, dstate), x)
     y = torch.empty_like(xf)
     load_library().ssd_scan_f32(*map(_pointer, (xf, dtf, Af, Bf, Cf, skip, state, y)), batch, time, heads, head_dim,
                                 groups, dstate, torch.get_num_threads())
     return y.to(x.dtype), state
+
+
+def selective_scan(
+    u: torch.Tensor,
+    delta: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    delta_bias: torch.Tensor | None = None,
+    delta_softplus: bool = False,
+    *,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hybridlm.ops.selective_scan.selective_scan_ref`'s contract (``chunk_size`` unused: the scan is
+    sequential), for CPU tensors in inference; declines the rest. ``(y [batch, dim, time] like u, final_state
+    [batch, dim, dstate] fp32)``; the step, the skip and the gate as the reference computes them, the scan in C++."""
+    _check_servable(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, time = u.shape
+    dstate = A.shape[-1]
+    if A.shape != (dim, dstate) or delta.shape != u.shape:
+        raise ValueError(
+            f"selective_scan: u {tuple(u.shape)}, delta {tuple(delta.shape)} and A {tuple(A.shape)} disagree")
+    Bt, Ct = (_time_major(t, name, batch, time, dstate) for t, name in ((B, "B"), (C, "C")))
+    groups = Bt.shape[2]
+    if Ct.shape[2] != groups or dim % groups:
+        raise ValueError(f"selective_scan: B and C have {groups} and {Ct.shape[2]} groups; they must agree and "
+                         f"divide dim={dim}")
+    step = delta.detach().float()
+    if delta_bias is not None:
+        step = step + delta_bias.detach().float().unsqueeze(-1)
+    if delta_softplus:
+        step = F.softplus(step)
+    state = _initial_state(initial_state, (batch, dim, dstate), u)
+    ut, stept = (t.transpose(1, 2).contiguous() for t in (u.detach().float(), step))  # [batch, time, dim]
+    rates, y = A.detach().float().contiguous(), torch.empty_like(ut)  # (named: alive until the call returns)
+    load_library().selective_scan_f32(*map(_pointer, (ut, stept, rates, Bt, Ct, state, y)), batch, time, dim, groups,
+                                      dstate, torch.get_num_threads())
+    return skip_and_gate(y.transpose(1, 2), u, D, z), state
+
+
+def _time_major(x: torch.Tensor, name: str, batch: int, time: int, dstate: int) -> torch.Tensor:
+    """``[batch, dstate, time]`` or ``[batch, groups, dstate, time]`` -> contiguous fp32 ``[batch, time, groups,
+    dstate]``."""
+    grouped = x.unsqueeze(1) if x.dim() == 3 else x
+    if grouped.dim() != 4 or grouped.shape[0] != batch or grouped.shape[2:] != (dstate, time):
+        raise ValueError(f"selective_scan {name} {tuple(x.shape)} must be [batch, dstate, time] or [batch, groups, "
+                         f"dstate, time] with batch={batch}, dstate={dstate}, time={time}")
+    return grouped.detach().float().permute(0, 3, 1, 2).contiguous()
+
+
+def _initial_state(initial_state: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """A fresh contiguous fp32 copy of ``initial_state`` (checked to be ``shape``), or zeros."""
+    if initial_state is None:
+        return torch.zeros(shape, dtype=torch.float32, device=like.device)
+    if initial_state.shape != shape:
+        raise ValueError(f"initial_state {tuple(initial_state.shape)} is not {shape}")
+    return initial_state.detach().float().clone(memory_format=torch.contiguous_format)
 
 
 def _check_servable(*tensors: torch.Tensor | None) -> None:

@@ -170,10 +170,10 @@ def selective_scan_ref(
         final = state.new_zeros(len(bounds) - 1, dim, dstate) if initial_state is None else initial_state.float()
         ended = torch.cat(ended)[:, 0] if ended else state.new_zeros(0, dim, dstate)
         state = final.index_put((nonempty_spans(bounds, u.device).index,), ended)
-    return _skip_and_gate(y, u, D, z), state
+    return skip_and_gate(y, u, D, z), state
 
 
-def _skip_and_gate(y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
+def skip_and_gate(y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:
     """``(y + D u) * silu(z)`` in fp32, cast to ``u``'s dtype (``y`` fp32, ``u, z [batch, dim, time]``, ``D [dim]``)."""
     if D is not None:
         y = y + u.float() * D.float().unsqueeze(-1)
@@ -263,7 +263,7 @@ def selective_scan_with_states(u: torch.Tensor, delta: torch.Tensor, A: torch.Te
     every = Restarts(torch.zeros(0, dtype=torch.long, device=u.device), None, torch.arange(time, device=u.device))
     y, _, states = _scan_block(ut, dtt, A.float(), Bt, Ct, initial_state.float(), min(_CHUNK, time),
                                not torch.is_grad_enabled(), every)
-    return _skip_and_gate(y.permute(1, 2, 0), u, D, z), states.transpose(0, 1)
+    return skip_and_gate(y.permute(1, 2, 0), u, D, z), states.transpose(0, 1)
 
 
 def selective_scan_states(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

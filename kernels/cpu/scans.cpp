@@ -3,8 +3,10 @@
 //
 // ssd_scan_f32: Mamba-2's SSD as the literal recurrence, one token after the other, per (batch row, head):
 //   S[t] = exp(dt[t] A) S[t-1] + dt[t] x[t] (outer) B[t]        y[t] = S[t] C[t] + D x[t]
-// On the CPU this beats the chunked scan of hybridlm/ops/ssd.py (the reference), whose many small tensor ops
-// cost more than the arithmetic at the state sizes of small and mid-sized models. All arithmetic is fp32.
+// selective_scan_f32: Mamba-1's, per channel d and state index n (one exp per state element and token):
+//   h[t] = exp(dt[t] A[d, n]) h[t-1] + dt[t] B[t, n] u[t]        y[t] = sum_n C[t, n] h[t, n]
+// On the CPU these beat the chunked scans of hybridlm/ops/ssd.py and selective_scan.py (the references), whose many
+// small tensor ops and passes over memory cost more than the arithmetic. All arithmetic is fp32.
 
 #include <algorithm>
 #include <cmath>
@@ -75,6 +77,84 @@ void scan_head(const SsdArgs& a, int64_t b, int64_t h) {
     for (int64_t n = 0; n < N; ++n) state[p * N + n] = s[n * P + p];
 }
 
+// exp(x) for the decays (x <= 0), written so that the compiler vectorizes it (a libm call would not be): 2^k
+// times a degree-7 polynomial of r = x - k ln2, |r| <= ln2 / 2; k is rounded by adding 1.5 * 2^23, whose low bits
+// then hold it. Within 1.3 ulp of exp over [-80, 0] (checked against float64 in the tests). Decays below
+// exp(-80) (1.8e-35) are zero, as in the references (ops/ssd.py's LOG_FLOOR): states that small would be denormal,
+// and slow. Selects rather than branches, which -fno-trapping-math lets the compiler if-convert.
+inline float decay_exp(float x) {
+  const float keep = x >= -80.f ? 1.f : 0.f;
+  x = x >= -87.f ? x : -87.f;
+  const float shifted = x * 1.44269504088896341f + 12582912.f;
+  const float k = shifted - 12582912.f;
+  const float r = (x - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
+  float p = 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t exponent = (__builtin_bit_cast(int32_t, shifted) - 0x4B400000 + 127) << 23;
+  return keep * (p * __builtin_bit_cast(float, exponent));
+}
+
+struct SelectiveArgs {
+  const float* u;   // [batch, time, dim]
+  const float* dt;  // [batch, time, dim]: already biased and soft-plussed
+  const float* A;   // [dim, dstate]
+  const float* B;   // [batch, time, groups, dstate]
+  const float* C;   // [batch, time, groups, dstate]
+  float* state;     // [batch, dim, dstate]: the initial state in, the final state out
+  float* y;         // [batch, time, dim]: sum_n C h, before the skip and the gate
+  int64_t batch, time, dim, groups, dstate;
+};
+
+// Tokens of `W` consecutive channels from `d0` (one group) of batch row `b`: their states held [n, W] and their
+// decay rates [n, W] in scratch, so that every step is a vector operation across the channels.
+template <int W>
+void selective_block(const SelectiveArgs& a, int64_t b, int64_t d0) {
+  const int64_t N = a.dstate, D = a.dim, g = d0 / (D / a.groups);
+  std::vector<float> scratch(2 * N * W);  // states, then decay rates
+  float* s = scratch.data();
+  float* rate = s + N * W;
+  for (int64_t n = 0; n < N; ++n)
+    for (int j = 0; j < W; ++j) {
+      s[n * W + j] = a.state[(b * D + d0 + j) * N + n];
+      rate[n * W + j] = a.A[(d0 + j) * N + n];
+    }
+  for (int64_t t = 0; t < a.time; ++t) {
+    const int64_t row = b * a.time + t;
+    const float* ut = a.u + row * D + d0;
+    const float* dtt = a.dt + row * D + d0;
+    const float* Bt = a.B + (row * a.groups + g) * N;
+    const float* Ct = a.C + (row * a.groups + g) * N;
+    float step[W], v[W], out[W];
+#pragma omp simd
+    for (int j = 0; j < W; ++j) {
+      step[j] = dtt[j];
+      v[j] = dtt[j] * ut[j];
+      out[j] = 0.f;
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const float bn = Bt[n], cn = Ct[n];
+      float* sn = s + n * W;
+      const float* rn = rate + n * W;
+#pragma omp simd
+      for (int j = 0; j < W; ++j) {
+        const float value = sn[j] * decay_exp(step[j] * rn[j]) + v[j] * bn;
+        sn[j] = value;
+        out[j] += value * cn;
+      }
+    }
+    float* yt = a.y + row * D + d0;
+    for (int j = 0; j < W; ++j) yt[j] = out[j];
+  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int j = 0; j < W; ++j) a.state[(b * D + d0 + j) * N + n] = s[n * W + j];
+}
+
 // Below this many state updates (time x head_dim x dstate, summed over its share of heads) a thread is not worth
 // waking: about 25 us of work. The threads are OpenMP's, the same runtime (libgomp.so.1) and pool as torch's, so
 // that torch's threads, spinning after its last parallel region, do not compete with threads of our own.
@@ -91,4 +171,32 @@ extern "C" void ssd_scan_f32(const float* x, const float* dt, const float* A, co
   threads = std::max<int64_t>(1, std::min({threads, items, updates / kMinUpdatesPerThread}));
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < items; ++i) scan_head(a, i / a.heads, i % a.heads);
+}
+
+extern "C" void selective_scan_f32(const float* u, const float* dt, const float* A, const float* B, const float* C,
+                                   float* state, float* y, int64_t batch, int64_t time, int64_t dim, int64_t groups,
+                                   int64_t dstate, int64_t threads) {
+  const SelectiveArgs a{u, dt, A, B, C, state, y, batch, time, dim, groups, dstate};
+  // work items: blocks of 16, then 8, then single channels, never across a group's boundary
+  struct Block { int64_t b, d0; int width; };
+  std::vector<Block> blocks;
+  const int64_t per_group = dim / groups;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t g = 0; g < groups; ++g) {
+      int64_t d = g * per_group;
+      const int64_t end = d + per_group;
+      for (; d + 16 <= end; d += 16) blocks.push_back({b, d, 16});
+      for (; d + 8 <= end; d += 8) blocks.push_back({b, d, 8});
+      for (; d < end; ++d) blocks.push_back({b, d, 1});
+    }
+  const int64_t items = static_cast<int64_t>(blocks.size());
+  const int64_t updates = batch * dim * time * dstate;
+  threads = std::max<int64_t>(1, std::min({threads, items, updates / kMinUpdatesPerThread}));
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+  for (int64_t i = 0; i < items; ++i) {
+    const Block& block = blocks[i];
+    if (block.width == 16) selective_block<16>(a, block.b, block.d0);
+    else if (block.width == 8) selective_block<8>(a, block.b, block.d0);
+    else selective_block<1>(a, block.b, block.d0);
+  }
 }

@@ -1,7 +1,10 @@
-"""Our C++ CPU scan (``hybridlm.ops.cpu_kernels``, the default ``ssd_chunk_scan`` on CPU tensors) against the
-float64 recurrence; what it declines to the reference; and its build cache (digest-named, verified, written aside)."""
+"""Our C++ CPU scans (``hybridlm.ops.cpu_kernels``, the default ``ssd_chunk_scan`` and ``selective_scan`` on CPU
+tensors) against the float64 recurrences; their vectorized exp; what they decline to the references; and the build
+cache (digest-named, verified, written aside)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -10,9 +13,10 @@ from hypothesis import strategies as st
 
 from hybridlm import ops
 from hybridlm.ops import backends, cpu_kernels
+from hybridlm.ops.selective_scan import selective_scan_ref
 from hybridlm.ops.ssd import ssd_chunk_scan_ref
 from tests.helpers import assert_close_rel
-from tests.ops.test_reference_ops import naive_ssd
+from tests.ops.test_reference_ops import naive_selective_scan, naive_ssd
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
                                 reason=f"CPU scans unavailable: {cpu_kernels.unavailable_reason()}")
@@ -129,6 +133,120 @@ def test_forcing_the_reference_on_cpu_turns_the_kernel_off():
         got = ops.ssd_chunk_scan(x, dt, A, B, C, 8, D, initial_state=s0)
     reference = ssd_chunk_scan_ref(x, dt, A, B, C, 8, D, initial_state=s0)
     assert all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
+# --- Mamba-1 ------------------------------------------------------------------------------------------
+
+
+def selective_inputs(batch, time, groups, per_group, dstate, seed=0, grouped=True):
+    """fp32 ``(u, delta, A, B, C, D, z, bias, h0)``; ``B, C [batch, groups, dstate, time]``, or ``[batch, dstate,
+    time]`` (one group) when not ``grouped``. Decay rates span 0.01-30: some decays flush to zero within a token."""
+    g = torch.Generator().manual_seed(seed)
+    dim = groups * per_group
+    u, delta, z = (torch.randn(batch, dim, time, generator=g) for _ in range(3))
+    A = -torch.exp(torch.empty(dim, dstate).uniform_(-4.6, 3.4, generator=g))
+    shape = (batch, groups, dstate, time) if grouped else (batch, dstate, time)
+    B, C = (torch.randn(*shape, generator=g) for _ in range(2))
+    D, bias = torch.randn(dim, generator=g), torch.randn(dim, generator=g)
+    return u, delta, A, B, C, D, z, bias, torch.randn(batch, dim, dstate, generator=g)
+
+
+def selective_exact(u, delta, A, B, C, D, z, bias, h0, softplus=True):
+    """The float64 recurrence, with the reference's step ``softplus(delta + bias)``."""
+    step = delta.double() + (0 if bias is None else bias.double()[:, None])
+    step = torch.nn.functional.softplus(step) if softplus else step
+    grouped = [t.double() if t.dim() == 4 else t.double()[:, None] for t in (B, C)]
+    return naive_selective_scan(u.double(), step, A.double(), *grouped, None if D is None else D.double(),
+                                None if z is None else z.double(), h0.double())
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 2), time=st.integers(1, 40), groups=st.sampled_from([1, 2]),
+       per_group=st.sampled_from([1, 3, 8, 16, 27]), dstate=st.integers(1, 9), gate=st.booleans(),
+       grouped=st.booleans(), seed=st.integers(0, 2**16))
+def test_selective_scan_is_the_recurrence(batch, time, groups, per_group, dstate, gate, grouped, seed):
+    """Blocks of 16, 8 and single channels within each group, grouped and ungrouped B/C, with and without the
+    gate, the bias and the softplus."""
+    if not grouped:
+        groups = 1
+    u, delta, A, B, C, D, z, bias, h0 = selective_inputs(batch, time, groups, per_group, dstate, seed, grouped)
+    z = z if gate else None
+    y, h = cpu_kernels.selective_scan(u, delta, A, B, C, D, z, delta_bias=bias, delta_softplus=True,
+                                      initial_state=h0)
+    y_exact, h_exact = selective_exact(u, delta, A, B, C, D, z, bias, h0)
+    assert y.dtype == torch.float32 and h.dtype == torch.float32
+    assert_close_rel(y, y_exact)
+    assert_close_rel(h, h_exact)
+
+
+def test_selective_scan_without_step_options_or_initial_state():
+    u, delta, A, B, C, D, z, bias, h0 = selective_inputs(2, 21, 1, 24, 5, seed=7)
+    step = delta.sigmoid()  # a step taken as it is: no bias, no softplus
+    y, h = cpu_kernels.selective_scan(u, step, A, B, C)
+    y_exact, h_exact = selective_exact(u, step, A, B, C, None, None, None, torch.zeros_like(h0), softplus=False)
+    assert_close_rel(y, y_exact)
+    assert_close_rel(h, h_exact)
+
+
+def test_selective_scan_reduced_precision_is_the_fp32_scan_rounded_once():
+    inputs = [t.bfloat16() for t in selective_inputs(1, 17, 2, 8, 4, seed=8)]
+    kwargs = {"delta_bias": inputs[7], "delta_softplus": True, "initial_state": inputs[8]}
+    y, h = cpu_kernels.selective_scan(*inputs[:7], **kwargs)
+    widened = [t.float() for t in inputs]
+    y32, h32 = cpu_kernels.selective_scan(*widened[:7], **{**kwargs, "delta_bias": widened[7],
+                                                           "initial_state": widened[8]})
+    assert y.dtype == torch.bfloat16 and torch.equal(y, y32.bfloat16()) and torch.equal(h, h32)
+    assert_close_rel(y32, selective_exact(*inputs)[0])
+
+
+def test_selective_scan_threads_give_the_same_bits_and_the_default_op_runs_it():
+    inputs = selective_inputs(1, 256, 2, 64, 16, seed=9)  # 2M state updates: two threads
+    kwargs = {"delta_bias": inputs[7], "delta_softplus": True, "initial_state": inputs[8]}
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(cpu_kernels.selective_scan(*inputs[:7], **kwargs))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert_close_rel(results[0][0], selective_exact(*inputs)[0], rel=1e-4)
+    backends.reload_environment()
+    assert backends.chosen("selective_scan", "cpu") == ("cpu", "torch")
+    assert all(torch.equal(a, b) for a, b in zip(ops.selective_scan(*inputs[:7], **kwargs), results[0]))
+    leaf = inputs[0].clone().requires_grad_()  # a gradient: the reference
+    (grad,) = torch.autograd.grad(ops.selective_scan(leaf, *inputs[1:7], **kwargs)[0].sum(), leaf)
+    twin = inputs[0].clone().requires_grad_()
+    (expected,) = torch.autograd.grad(selective_scan_ref(twin, *inputs[1:7], **kwargs)[0].sum(), twin)
+    assert torch.equal(grad, expected)
+
+
+def test_selective_scan_refuses_disagreeing_shapes_by_name():
+    u, delta, A, B, C, D, z, bias, h0 = selective_inputs(1, 9, 2, 4, 3, seed=10)
+    with pytest.raises(ValueError, match="disagree"):
+        cpu_kernels.selective_scan(u, delta[..., :4], A, B, C)
+    with pytest.raises(ValueError, match="selective_scan C"):
+        cpu_kernels.selective_scan(u, delta, A, B, C[..., :4])
+    with pytest.raises(ValueError, match="groups"):
+        cpu_kernels.selective_scan(u, delta, A, B, C[:, :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        cpu_kernels.selective_scan(u, delta, A, B, C, initial_state=h0[:, :3])
+
+
+def test_decay_exp_is_within_two_ulp_of_exp_and_flushes_below_exp_minus_80():
+    """The kernel's vectorized exp, seen through a one-token scan: h = exp(dt A) h0 with unit dt and B = 0."""
+    x = torch.cat([-torch.logspace(-8, math.log10(80), 4000), torch.linspace(-90, 0, 4001)]).double()
+    dim = x.numel()
+    u = torch.zeros(1, dim, 1)
+    A, h0 = x.float()[:, None], torch.ones(1, dim, 1)
+    _, h = cpu_kernels.selective_scan(u, torch.ones(1, dim, 1), A, torch.zeros(1, 1, 1), torch.zeros(1, 1, 1),
+                                      initial_state=h0)
+    exact = torch.exp(A.double())[:, 0]
+    kept = A[:, 0] >= -80
+    assert kept.sum() > 6000 and (~kept).sum() > 400
+    assert ((h[0, kept, 0].double() - exact[kept]).abs() <= 2 * 2**-24 * exact[kept]).all()
+    assert (h[0, ~kept, 0] == 0).all()
 
 
 @pytest.fixture
