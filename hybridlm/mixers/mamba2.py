@@ -109,9 +109,10 @@ class Mamba2(Mixer):
             ).unsqueeze(1)
             if track:
                 state.keep_states()
-        elif track or (state is not None and ssd.per_token_is_faster(xs, self.d_state)):
+        elif track or (state is not None and ssd.per_token_is_faster(xs, self.d_state)
+                       and ops.runs_reference("ssd_chunk_scan", xs.device.type)):
             # the reference's per-token states (whichever backend the device has), read out by C: kept for
-            # rollback, or a short forward on CPU where this beats the chunked scan
+            # rollback, or a short forward on CPU where this beats the chunked reference (not the C++ scan)
             per_token = ssd.ssd_states(xs, dt, A, B, state.ssm)  # [batch, time, heads, head_dim, d_state]
             y = ssd.ssd_readout(per_token, C, xs, self.D)
             state.ssm.copy_(per_token[:, -1])

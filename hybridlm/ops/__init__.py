@@ -8,7 +8,7 @@ The bottom tier: imports nothing of hybridlm outside ``ops``.
 """
 
 from hybridlm.ops.backend_report import report
-from hybridlm.ops.backends import BackendUnavailable, Dispatcher, use_backend
+from hybridlm.ops.backends import BackendUnavailable, Dispatcher, runs_reference, use_backend
 
 attention = Dispatcher("attention")
 causal_compressed_attention = Dispatcher("causal_compressed_attention")
@@ -37,6 +37,7 @@ __all__ = [
     "mamba3_step",
     "paged_attention",
     "report",
+    "runs_reference",
     "selective_scan",
     "selective_state_update",
     "ssd_chunk_scan",

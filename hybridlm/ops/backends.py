@@ -364,6 +364,13 @@ def chosen(op: str, device_type: str) -> tuple[str, ...]:
     return current().plan(op, device_type).names
 
 
+def runs_reference(op: str, device_type: str) -> bool:
+    """Whether ``op`` on ``device_type`` tensors runs its reference under the current selection: a mixer whose
+    short forwards have a faster form than the reference's (Mamba-2's per-token states on CPU) takes it only then
+    (either form is exact: this picks a speed). True inside ``torch.compile``, where the C++ CPU scans decline."""
+    return torch.compiler.is_compiling() or chosen(op, device_type)[0] == "torch"
+
+
 class Dispatcher:
     """A public op: runs the current selection's plan for the device of its first tensor argument."""
 

@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybridlm import ops
 from hybridlm.mixers.mamba import Mamba
 from hybridlm.mixers.mamba2 import Mamba2
-from hybridlm.ops import ssd
+from hybridlm.ops import cpu_kernels, ssd
 from hybridlm.ops.selective_scan import selective_scan_ref, selective_scan_with_states
 from hybridlm.ops.ssd import ssd_chunk_scan_ref, ssd_readout, ssd_states
 from tests.helpers import assert_close_rel, tiny_config
@@ -58,6 +59,24 @@ def test_short_forwards_take_the_per_token_form_on_cpu_only_when_small():
     x = torch.zeros(1, 4, 16, 32)
     assert ssd.per_token_is_faster(x, 64) and not ssd.per_token_is_faster(torch.zeros(1, 64, 16, 32), 64)
     assert not ssd.per_token_is_faster(x.to("meta"), 64)
+
+
+@pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None, reason="the C++ CPU scan cannot be built here")
+def test_a_short_forward_takes_the_cpp_scan_where_it_runs_else_the_per_token_form():
+    """The per-token form beats the chunked reference on short forwards, not the C++ scan (2-3x slower than it):
+    it is taken only while the reference is what ssd_chunk_scan runs. Both give the chunked scan's result."""
+    layer = mixer(Mamba2, 3)
+    block = torch.randn(1, 4, layer.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    outputs = {}
+    for backend in ("cpu", "torch"):
+        state = layer.init_state(1)
+        with torch.no_grad(), ops.use_backend(ssd_chunk_scan=backend), \
+                mock.patch.object(ssd, "ssd_states", wraps=ssd.ssd_states) as per_token:
+            assert ops.runs_reference("ssd_chunk_scan", "cpu") == (backend == "torch")
+            outputs[backend] = layer(block, state), state.ssm.clone()
+        assert per_token.called == (backend == "torch")
+    assert_close_rel(outputs["cpu"][0], outputs["torch"][0])
+    assert_close_rel(outputs["cpu"][1], outputs["torch"][1])
 
 
 @pytest.mark.parametrize("per_channel_D", [False, True])
