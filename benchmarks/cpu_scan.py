@@ -1,8 +1,9 @@
-"""The Mamba scans on the CPU: the chunked references (``hybridlm/ops/ssd.py``'s SSD, ``selective_scan.py``'s Mamba-1
-scan; backend ``torch``) against our C++ sequential scans (backend ``cpu``, ``hybridlm/ops/cpu_kernels.py``, the
-default where a C++ compiler exists). First the ops alone, at the shapes of the peer models and of larger layers,
-then whole eager prefills: the bundled hybrid and the ``mamba2-lm-small`` preset (the models ``cpu_peers.py`` runs),
-and the Jamba shape of ``hf_speed.py`` (random weights).
+"""The recurrent scans on the CPU: the chunked references (``hybridlm/ops/ssd.py``'s SSD, ``selective_scan.py``'s
+Mamba-1 scan, ``delta_rule.py``'s gated delta rule; backend ``torch``) against our C++ sequential scans (backend
+``cpu``, ``hybridlm/ops/cpu_kernels.py``, the default where a C++ compiler exists). First the ops alone, at the
+shapes of the peer models and of larger layers, then whole eager prefills: the bundled hybrid and the
+``mamba2-lm-small`` preset (the models ``cpu_peers.py`` runs), and the Jamba and Qwen3-Next shapes of
+``hf_speed.py`` (random weights).
 
 The two backends take turns call by call (order reversed every other round) after a warm-up round; the script
 prints min / median and the medians' ratio (torch / cpu: > 1, the C++ scan is faster).
@@ -34,6 +35,9 @@ import hf_speed  # noqa: E402
 SCAN_SHAPES = [("hybrid", 8, 32, 32), ("peer mamba2", 16, 32, 64), ("mamba2-780m layer", 48, 64, 128)]
 #: (name, channels, dstate, groups) of Mamba-1 layers: hf_speed.py's Jamba shape, Mamba-130m, Mamba-1.4b
 SELECTIVE_SHAPES = [("jamba shape", 512, 16, 1), ("mamba-130m layer", 1536, 16, 1), ("mamba-1.4b layer", 4096, 16, 1)]
+#: (name, key heads, value heads, dim_k, dim_v) of gated delta rule layers: hf_speed.py's Qwen3-Next shape, and
+#: Qwen3-Next-80B's (16 key and 32 value heads of 128)
+DELTA_SHAPES = [("qwen3_next shape", 4, 8, 64, 64), ("qwen3-next-80b layer", 16, 32, 128, 128)]
 BACKENDS = ("torch", "cpu")
 
 
@@ -42,7 +46,7 @@ def interleaved(call, rounds: int) -> dict[str, tuple[float, float]]:
     times = {backend: [] for backend in BACKENDS}
     for round_ in range(rounds + 1):
         for backend in BACKENDS if round_ % 2 == 0 else reversed(BACKENDS):
-            with ops.use_backend(ssd_chunk_scan=backend, selective_scan=backend):
+            with ops.use_backend(ssd_chunk_scan=backend, selective_scan=backend, gated_delta_rule=backend):
                 start = time.perf_counter()
                 call()
                 if round_:
@@ -76,13 +80,27 @@ def selective_call(tokens: int, channels: int, dstate: int, groups: int):
                                       initial_state=state)
 
 
+@torch.inference_mode()
+def delta_call(tokens: int, key_heads: int, heads: int, dim_k: int, dim_v: int):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, tokens, key_heads, dim_k, generator=g)
+    k = torch.nn.functional.normalize(torch.randn(1, tokens, key_heads, dim_k, generator=g), dim=-1)
+    v, beta = torch.randn(1, tokens, heads, dim_v, generator=g), torch.rand(1, tokens, heads, generator=g)
+    log_gate = -torch.rand(1, tokens, heads, generator=g) * 0.1
+    return lambda: ops.gated_delta_rule(q, k, v, log_gate, beta)
+
+
 def models() -> dict[str, hybridlm.HybridForCausalLM]:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:
         hf_speed.jamba().save_pretrained(directory)
         jamba = hybridlm.HybridForCausalLM.from_pretrained(directory)
+    with tempfile.TemporaryDirectory() as directory:
+        hf_speed.qwen3_next().save_pretrained(directory)
+        qwen3_next = hybridlm.HybridForCausalLM.from_pretrained(directory)
     return {"bundled hybrid": hybridlm.HybridForCausalLM.from_pretrained(hybridlm.bundled_model_dir("hybrid")),
-            "mamba2-lm-small": hybridlm.HybridForCausalLM(preset("mamba2-lm-small")), "jamba shape": jamba}
+            "mamba2-lm-small": hybridlm.HybridForCausalLM(preset("mamba2-lm-small")), "jamba shape": jamba,
+            "qwen3_next shape": qwen3_next}
 
 
 def prefill_call(model: hybridlm.HybridForCausalLM, tokens: int):
@@ -117,6 +135,10 @@ def main() -> None:
             for tokens in args.tokens:
                 report(f"{threads} thread(s), selective scan {name} ({channels} channels x {dstate}), {tokens} tokens",
                        interleaved(selective_call(tokens, channels, dstate, groups), args.rounds))
+        for name, key_heads, heads, dim_k, dim_v in DELTA_SHAPES:
+            for tokens in args.tokens:
+                report(f"{threads} thread(s), gated delta rule {name} ({key_heads}/{heads} heads x {dim_k} x {dim_v}), "
+                       f"{tokens} tokens", interleaved(delta_call(tokens, key_heads, heads, dim_k, dim_v), args.rounds))
         for name, model in models().items():
             for tokens in args.tokens:
                 report(f"{threads} thread(s), prefill {name}, {tokens} tokens",

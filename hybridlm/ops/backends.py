@@ -66,7 +66,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "causal_conv1d_update": ("causal_conv1d", "triton", "torch"),
     "causal_linear_attention": ("triton", "torch"),
     "causal_compressed_attention": ("torch",),
-    "gated_delta_rule": ("fla", "triton", "torch"),
+    "gated_delta_rule": ("fla", "triton", "cpu", "torch"),
     "gated_delta_rule_step": ("torch",),
     "paged_attention": ("triton", "torch"),
     "mamba3_scan": ("triton", "mamba_ssm", "torch"),

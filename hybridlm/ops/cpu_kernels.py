@@ -1,6 +1,6 @@
-"""Our C++ CPU scans (``kernels/cpu/scans.cpp``, shipped as ``hybridlm/_kernels/cpu``): Mamba-2's SSD and
-Mamba-1's selective scan as the literal recurrences, the ``cpu`` backend of ``ssd_chunk_scan`` and
-``selective_scan``, and their default on CPU tensors where it can run.
+"""Our C++ CPU scans (``kernels/cpu/scans.cpp``, shipped as ``hybridlm/_kernels/cpu``): Mamba-2's SSD, Mamba-1's
+selective scan and the gated delta rule as the literal recurrences, the ``cpu`` backend of ``ssd_chunk_scan``,
+``selective_scan`` and ``gated_delta_rule``, and their default on CPU tensors where it can run.
 
 The chunked references issue hundreds of tensor ops per call (about 240 for the SSD) and stream their
 intermediates through memory; at the state sizes of small and mid-sized models that costs more than the
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from hybridlm.files import sha256_of, write_file, written_aside
 from hybridlm.ops.cuda import kernel_sources
 from hybridlm.ops.declined import Declined
+from hybridlm.ops.delta_rule import _check as check_delta_rule
 from hybridlm.ops.selective_scan import skip_and_gate
 
 SOURCE = kernel_sources() / "cpu" / "scans.cpp"
@@ -106,7 +107,9 @@ def load_library() -> ctypes.CDLL:
             raise RuntimeError(f"hybridlm CPU scans: cannot load {path} ({error}); delete it to rebuild") from None
         library.ssd_scan_f32.argtypes = [_FLOAT_P] * 8 + [_INT] * 7
         library.selective_scan_f32.argtypes = [_FLOAT_P] * 7 + [_INT] * 6
-        library.ssd_scan_f32.restype = library.selective_scan_f32.restype = None
+        library.gated_delta_rule_f32.argtypes = [_FLOAT_P] * 7 + [ctypes.c_float] + [_INT] * 8
+        for function in (library.ssd_scan_f32, library.selective_scan_f32, library.gated_delta_rule_f32):
+            function.restype = None
         _library = library
     return _library
 
@@ -210,6 +213,34 @@ def selective_scan(
     load_library().selective_scan_f32(*map(_pointer, (ut, stept, rates, Bt, Ct, state, y)), batch, time, dim, groups,
                                       dstate, torch.get_num_threads())
     return skip_and_gate(y.transpose(1, 2), u, D, z), state
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_gate: torch.Tensor | None,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hybridlm.ops.delta_rule.gated_delta_rule_ref`'s contract (``chunk_size`` unused: the recurrence is
+    sequential), for CPU tensors in inference; declines the rest. ``(o like v, final_state [batch, heads, dim_k,
+    dim_v] fp32)``, the arithmetic in fp32."""
+    _check_servable(q, k, v, log_gate, beta, initial_state)
+    check_delta_rule(q, k, v, log_gate, beta, initial_state)
+    batch, time, heads, dim_v = v.shape
+    key_heads, dim_k = q.shape[-2:]
+    qf, kf, vf, betaf = (t.detach().float().contiguous() for t in (q, k, v, beta))
+    gates = None if log_gate is None else log_gate.detach().float().contiguous()
+    state = _initial_state(initial_state, (batch, heads, dim_k, dim_v), v)
+    o = torch.empty_like(vf)
+    load_library().gated_delta_rule_f32(
+        *map(_pointer, (qf, kf, vf, gates, betaf, state, o)), dim_k**-0.5 if scale is None else scale, batch, time,
+        heads, key_heads, dim_k, dim_v, 1 if gates is None or gates.dim() == 3 else dim_k, torch.get_num_threads())
+    return o.to(v.dtype), state
 
 
 def _time_major(x: torch.Tensor, name: str, batch: int, time: int, dstate: int) -> torch.Tensor:

@@ -5,6 +5,8 @@
 //   S[t] = exp(dt[t] A) S[t-1] + dt[t] x[t] (outer) B[t]        y[t] = S[t] C[t] + D x[t]
 // selective_scan_f32: Mamba-1's, per channel d and state index n (one exp per state element and token):
 //   h[t] = exp(dt[t] A[d, n]) h[t-1] + dt[t] B[t, n] u[t]        y[t] = sum_n C[t, n] h[t, n]
+// gated_delta_rule_f32: the gated delta rule (Gated DeltaNet, KDA), per head, state S [dim_k, dim_v]:
+//   S = diag(exp(g[t])) S;  u = beta[t] (v[t] - S^T k[t]);  S += k[t] u^T;  o[t] = S^T (scale q[t])
 // On the CPU these beat the chunked scans of hybridlm/ops/ssd.py and selective_scan.py (the references), whose many
 // small tensor ops and passes over memory cost more than the arithmetic. All arithmetic is fp32.
 
@@ -155,6 +157,73 @@ void selective_block(const SelectiveArgs& a, int64_t b, int64_t d0) {
     for (int j = 0; j < W; ++j) a.state[(b * D + d0 + j) * N + n] = s[n * W + j];
 }
 
+struct DeltaArgs {
+  const float* q;     // [batch, time, key_heads, dim_k]
+  const float* k;     // [batch, time, key_heads, dim_k]
+  const float* v;     // [batch, time, heads, dim_v]
+  const float* gate;  // log gates [batch, time, heads, gate_width] (gate_width 1 or dim_k), or null: no decay
+  const float* beta;  // [batch, time, heads]
+  float* state;       // [batch, heads, dim_k, dim_v]: the initial state in, the final state out
+  float* o;           // [batch, time, heads, dim_v]
+  float scale;
+  int64_t batch, time, heads, key_heads, dim_k, dim_v, gate_width;
+};
+
+// Tokens of one (batch row, head) on `W` consecutive columns of the state from `p0`: two passes over the rows
+// per token (decay and read S^T k; then write k u^T and read S^T q), the W columns of the sums in registers.
+template <int W>
+void delta_block(const DeltaArgs& a, int64_t b, int64_t h, int64_t p0, float* decay) {
+  const int64_t K = a.dim_k, V = a.dim_v, kh = h / (a.heads / a.key_heads);
+  float* S = a.state + (b * a.heads + h) * K * V + p0;  // row i at S + i * V
+  for (int64_t t = 0; t < a.time; ++t) {
+    const int64_t row = b * a.time + t;
+    const float* kt = a.k + (row * a.key_heads + kh) * K;
+    const float* qt = a.q + (row * a.key_heads + kh) * K;
+    const float* vt = a.v + (row * a.heads + h) * V + p0;
+    const float beta = a.beta[row * a.heads + h];
+    if (a.gate) {
+      const float* gt = a.gate + (row * a.heads + h) * a.gate_width;
+#pragma omp simd
+      for (int64_t i = 0; i < K; ++i) decay[i] = decay_exp(gt[a.gate_width == 1 ? 0 : i]);
+    }
+    float read[W], u[W], out[W];
+#pragma omp simd
+    for (int j = 0; j < W; ++j) read[j] = out[j] = 0.f;
+    for (int64_t i = 0; i < K; ++i) {
+      float* Si = S + i * V;
+      const float g = a.gate ? decay[i] : 1.f, ki = kt[i];
+#pragma omp simd
+      for (int j = 0; j < W; ++j) {
+        const float value = Si[j] * g;
+        Si[j] = value;
+        read[j] += ki * value;
+      }
+    }
+#pragma omp simd
+    for (int j = 0; j < W; ++j) u[j] = beta * (vt[j] - read[j]);
+    for (int64_t i = 0; i < K; ++i) {
+      float* Si = S + i * V;
+      const float ki = kt[i], qi = a.scale * qt[i];
+#pragma omp simd
+      for (int j = 0; j < W; ++j) {
+        const float value = Si[j] + ki * u[j];
+        Si[j] = value;
+        out[j] += qi * value;
+      }
+    }
+    float* ot = a.o + (row * a.heads + h) * V + p0;
+    for (int j = 0; j < W; ++j) ot[j] = out[j];
+  }
+}
+
+void delta_head(const DeltaArgs& a, int64_t b, int64_t h) {
+  std::vector<float> decay(a.dim_k);
+  int64_t p0 = 0;
+  for (; p0 + 16 <= a.dim_v; p0 += 16) delta_block<16>(a, b, h, p0, decay.data());
+  for (; p0 + 8 <= a.dim_v; p0 += 8) delta_block<8>(a, b, h, p0, decay.data());
+  for (; p0 < a.dim_v; ++p0) delta_block<1>(a, b, h, p0, decay.data());
+}
+
 // Below this many state updates (time x head_dim x dstate, summed over its share of heads) a thread is not worth
 // waking: about 25 us of work. The threads are OpenMP's, the same runtime (libgomp.so.1) and pool as torch's, so
 // that torch's threads, spinning after its last parallel region, do not compete with threads of our own.
@@ -199,4 +268,16 @@ extern "C" void selective_scan_f32(const float* u, const float* dt, const float*
     else if (block.width == 8) selective_block<8>(a, block.b, block.d0);
     else selective_block<1>(a, block.b, block.d0);
   }
+}
+
+extern "C" void gated_delta_rule_f32(const float* q, const float* k, const float* v, const float* gate,
+                                     const float* beta, float* state, float* o, float scale, int64_t batch,
+                                     int64_t time, int64_t heads, int64_t key_heads, int64_t dim_k, int64_t dim_v,
+                                     int64_t gate_width, int64_t threads) {
+  const DeltaArgs a{q, k, v, gate, beta, state, o, scale, batch, time, heads, key_heads, dim_k, dim_v, gate_width};
+  const int64_t items = batch * heads;
+  const int64_t updates = items * time * dim_k * dim_v;
+  threads = std::max<int64_t>(1, std::min({threads, items, updates / kMinUpdatesPerThread}));
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < items; ++i) delta_head(a, i / heads, i % heads);
 }

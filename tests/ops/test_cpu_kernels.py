@@ -1,6 +1,6 @@
-"""Our C++ CPU scans (``hybridlm.ops.cpu_kernels``, the default ``ssd_chunk_scan`` and ``selective_scan`` on CPU
-tensors) against the float64 recurrences; their vectorized exp; what they decline to the references; and the build
-cache (digest-named, verified, written aside)."""
+"""Our C++ CPU scans (``hybridlm.ops.cpu_kernels``, the default ``ssd_chunk_scan``, ``selective_scan`` and
+``gated_delta_rule`` on CPU tensors) against the float64 recurrences; their vectorized exp; what they decline to the
+references; and the build cache (digest-named, verified, written aside)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from hybridlm import ops
 from hybridlm.ops import backends, cpu_kernels
+from hybridlm.ops.delta_rule import gated_delta_rule_ref
 from hybridlm.ops.selective_scan import selective_scan_ref
 from hybridlm.ops.ssd import ssd_chunk_scan_ref
 from tests.helpers import assert_close_rel
+from tests.ops.test_delta_rule import naive_delta_rule, random_inputs
 from tests.ops.test_reference_ops import naive_selective_scan, naive_ssd
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
@@ -247,6 +249,61 @@ def test_decay_exp_is_within_two_ulp_of_exp_and_flushes_below_exp_minus_80():
     assert kept.sum() > 6000 and (~kept).sum() > 400
     assert ((h[0, kept, 0].double() - exact[kept]).abs() <= 2 * 2**-24 * exact[kept]).all()
     assert (h[0, ~kept, 0] == 0).all()
+
+
+# --- the gated delta rule ----------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 2), time=st.integers(1, 33), key_heads=st.integers(1, 2), group=st.sampled_from([1, 2]),
+       dim_k=st.sampled_from([1, 5, 16]), dim_v=st.sampled_from([1, 3, 8, 16, 27]), gate=st.sampled_from(
+           ["head", "channel", None]), with_state=st.booleans(), seed=st.integers(0, 2**16))
+def test_delta_rule_is_the_recurrence(batch, time, key_heads, group, dim_k, dim_v, gate, with_state, seed):
+    """Every block width of dim_v, grouped keys, gates per head, per channel or none, a scale of its own."""
+    q, k, v, log_gate, beta, S0 = (t.float() for t in random_inputs(batch, time, key_heads, group, dim_k, dim_v,
+                                                                   gate == "channel", seed))
+    log_gate = None if gate is None else log_gate
+    initial = S0 if with_state else None
+    o, S = cpu_kernels.gated_delta_rule(q, k, v, log_gate, beta, scale=0.7, initial_state=initial)
+    gates = torch.zeros_like(beta) if log_gate is None else log_gate
+    o_exact, S_exact = naive_delta_rule(*(t.double() for t in (q, k, v, gates, beta)), 0.7,
+                                        (S0 if with_state else torch.zeros_like(S0)).double())
+    assert o.dtype == torch.float32 and S.dtype == torch.float32
+    assert_close_rel(o, o_exact)
+    assert_close_rel(S, S_exact)
+
+
+def test_delta_rule_default_op_runs_the_kernel_in_inference_and_the_reference_otherwise():
+    inputs = [t.float() for t in random_inputs(1, 300, 2, 2, 32, 64, False, 11)]  # 2.4M updates: two threads
+    q, k, v, log_gate, beta, S0 = inputs
+    backends.reload_environment()
+    assert backends.chosen("gated_delta_rule", "cpu") == ("cpu", "torch")
+    previous = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(ops.gated_delta_rule(q, k, v, log_gate, beta, initial_state=S0))
+    finally:
+        torch.set_num_threads(previous)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    kernel = cpu_kernels.gated_delta_rule(q, k, v, log_gate, beta, initial_state=S0)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], kernel))
+    assert_close_rel(kernel[0], naive_delta_rule(*(t.double() for t in (q, k, v, log_gate, beta)), 32**-0.5,
+                                                 S0.double())[0], rel=1e-4)
+    bf16 = [t.bfloat16() for t in (q, k, v, log_gate, beta)]
+    o16, S16 = cpu_kernels.gated_delta_rule(*bf16, initial_state=S0)
+    o32, S32 = cpu_kernels.gated_delta_rule(*(t.float() for t in bf16), initial_state=S0)
+    assert o16.dtype == torch.bfloat16 and torch.equal(o16, o32.bfloat16()) and torch.equal(S16, S32)
+    leaf = v[:, :40].clone().requires_grad_()  # a gradient: the reference
+    (grad,) = torch.autograd.grad(ops.gated_delta_rule(q[:, :40], k[:, :40], leaf, log_gate[:, :40],
+                                                       beta[:, :40])[0].sum(), leaf)
+    twin = v[:, :40].clone().requires_grad_()
+    (expected,) = torch.autograd.grad(gated_delta_rule_ref(q[:, :40], k[:, :40], twin, log_gate[:, :40],
+                                                           beta[:, :40])[0].sum(), twin)
+    assert torch.equal(grad, expected)
+    with pytest.raises(ValueError, match="beta"):
+        cpu_kernels.gated_delta_rule(q, k, v, log_gate, beta[:, :5])
 
 
 @pytest.fixture
