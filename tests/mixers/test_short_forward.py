@@ -118,7 +118,9 @@ def test_selective_scan_with_states_is_the_scan(groups):
        batch=st.integers(1, 2), seed=st.integers(0, 99))
 def test_tracked_delta_rule_forward_equals_the_plain_one(kind, time, batch, seed):
     """Gated DeltaNet and KDA read a tracked forward's output out of its per-token states: equal to the plain
-    forward through the op, and so are the final state and the conv window."""
+    forward through the reference op (the chunked WY form both share; the C++ CPU scan, the plain forward's default,
+    rounds differently and more closely: tests/ops/test_cpu_kernels.py), and so are the final state and the conv
+    window."""
     from hybridlm.mixers import MIXERS
 
     layer = mixer(MIXERS[kind], seed)
@@ -130,7 +132,9 @@ def test_tracked_delta_rule_forward_equals_the_plain_one(kind, time, batch, seed
         layer(prompt, tracked)
         plain = tracked.clone()
         plain.paused = True
-        got, expected = layer(block, tracked), layer(block, plain)
+        got = layer(block, tracked)
+        with ops.use_backend(gated_delta_rule="torch"):
+            expected = layer(block, plain)
     assert tracked.history is not None and plain.history is None
     assert expected.abs().max() > 0 and plain.ssm.abs().max() > 0
     assert_close_rel(got, expected)
