@@ -5,6 +5,7 @@ references; and the build cache (digest-named, verified, written aside)."""
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -304,6 +305,21 @@ def test_delta_rule_default_op_runs_the_kernel_in_inference_and_the_reference_ot
     assert torch.equal(grad, expected)
     with pytest.raises(ValueError, match="beta"):
         cpu_kernels.gated_delta_rule(q, k, v, log_gate, beta[:, :5])
+
+
+def test_a_compiled_forward_traces_the_reference_and_agrees_with_the_eager_kernel():
+    """Inside torch.compile (fullgraph) the C++ scan declines and the dispatcher traces the chunked reference: no
+    graph break, and the result of the eager forward, which ran the C++ scan."""
+    from hybridlm.mixers.mamba2 import Mamba2
+    from tests.mixers.test_short_forward import mixer
+
+    layer = mixer(Mamba2, 0)
+    x = torch.randn(1, 40, layer.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), mock.patch.object(cpu_kernels, "load_library", wraps=cpu_kernels.load_library) as loads:
+        eager = layer(x)
+        assert loads.called  # the eager forward ran the C++ scan
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False)(x)
+    assert_close_rel(compiled, eager)
 
 
 @pytest.fixture
