@@ -100,11 +100,12 @@ def measure(name: str, args, peak: float) -> None:
             label: (lambda m=model, o=optimizers[label]: train_step(m.train(), o, batch))
             for label, model in models.items()},
     }
+    counted = {"prefill": {label: (lambda m=model: counted_prefill(m.eval(), prompt))
+                           for label, model in models.items()}}  # how a task's FLOPs are counted, if not as timed
     for (kind, task), runs in work.items():
         if kind not in args.tasks:
             continue
-        counting = {label: (lambda m=model: counted_prefill(m.eval(), prompt)) for label, model in models.items()}
-        flops = {label: counted_flops(fn) for label, fn in (counting if kind == "prefill" else runs).items()}
+        flops = {label: counted_flops(fn) for label, fn in counted.get(kind, runs).items()}
         times = {label: [] for label in runs}
         for index in range(args.warmup + args.repeats):
             for label, fn in runs.items():

@@ -10,10 +10,10 @@ import torch
 
 from hybridlm.ops.backends import (
     BACKENDS,
-    CPU_BACKENDS,
     ENV_VAR,
     PREFERENCE,
     current,
+    default_order,
     in_use_backend_block,
     unavailable_reason,
 )
@@ -38,8 +38,7 @@ def report(device: str | torch.device | None = None) -> str:
         if forced is not None:
             uses = f"{forced} (forced)" + ("" if reasons[forced] is None else f" UNAVAILABLE {note(reasons[forced])}")
         else:
-            tried = names if device_type == "cuda" else [b for b in names if b in (*CPU_BACKENDS, "torch")]
-            uses = " > ".join(b for b in tried if reasons[b] is None)
+            uses = " > ".join(b for b in default_order(op, device_type) if reasons[b] is None)
         rows.append((op, uses, *cells))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     setting = os.environ.get(ENV_VAR) or "unset"

@@ -258,10 +258,17 @@ def _forced_plan(op: str, backend: str, device_type: str) -> Plan:
     return Plan((), strict, (backend,))
 
 
+def default_order(op: str, device_type: str) -> tuple[str, ...]:
+    """The backends the default choice tries for ``op`` on ``device_type`` tensors, in order, the reference last:
+    all of :data:`PREFERENCE` on CUDA, those of :data:`CPU_BACKENDS` on the CPU, the reference alone elsewhere."""
+    if device_type == "cuda":
+        return PREFERENCE[op]
+    return tuple(b for b in PREFERENCE[op] if device_type == "cpu" and b in CPU_BACKENDS) + ("torch",)
+
+
 def _default_plan(op: str, device_type: str) -> Plan:
-    tried = {"cuda": PREFERENCE[op][:-1], "cpu": tuple(b for b in PREFERENCE[op] if b in CPU_BACKENDS)}
     candidates, names = [], []
-    for backend in tried.get(device_type, ()):
+    for backend in default_order(op, device_type)[:-1]:
         if unavailable_reason(backend, op, device_type) is not None:
             continue
         try:

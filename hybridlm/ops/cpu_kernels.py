@@ -37,7 +37,7 @@ from hybridlm.files import sha256_of, write_file, written_aside
 from hybridlm.ops.cuda import kernel_sources
 from hybridlm.ops.declined import Declined
 from hybridlm.ops.delta_rule import _check as check_delta_rule
-from hybridlm.ops.selective_scan import skip_and_gate
+from hybridlm.ops.selective_scan import scan_shapes, skip_and_gate
 
 SOURCE = kernel_sources() / "cpu" / "scans.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
@@ -192,11 +192,7 @@ def selective_scan(
     sequential), for CPU tensors in inference; declines the rest. ``(y [batch, dim, time] like u, final_state
     [batch, dim, dstate] fp32)``; the step, the skip and the gate as the reference computes them, the scan in C++."""
     _check_servable(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    batch, dim, time = u.shape
-    dstate = A.shape[-1]
-    if A.shape != (dim, dstate) or delta.shape != u.shape:
-        raise ValueError(
-            f"selective_scan: u {tuple(u.shape)}, delta {tuple(delta.shape)} and A {tuple(A.shape)} disagree")
+    batch, dim, time, dstate = scan_shapes(u, delta, A)
     Bt, Ct = (_time_major(t, name, batch, time, dstate) for t, name in ((B, "B"), (C, "C")))
     groups = Bt.shape[2]
     if Ct.shape[2] != groups or dim % groups:

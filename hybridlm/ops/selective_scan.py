@@ -128,14 +128,9 @@ def selective_scan_ref(
     ``chunk_size`` (default 16) changes only the rounding, not the result. Packed (batch 1, ``seq_idx`` or
     ``cu_seqlens``), ``initial_state`` and ``final_state`` are ``[n_seqs, dim, dstate]``.
     """
-    batch, dim, time = u.shape
+    batch, dim, time, dstate = scan_shapes(u, delta, A)
     bounds = packed_sequences(batch, time, seq_idx, cu_seqlens)
     check_initial_states("selective_scan", bounds, initial_state)
-    dstate = A.shape[-1]
-    if A.shape != (dim, dstate) or delta.shape != u.shape:
-        raise ValueError(
-            f"selective_scan: u {tuple(u.shape)}, delta {tuple(delta.shape)} and A {tuple(A.shape)} disagree"
-        )
     Bt, Ct = _grouped(B, "B").float(), _grouped(C, "C").float()
     if dim % Bt.shape[2]:
         raise ValueError(f"selective_scan: {Bt.shape[2]} groups do not divide dim={dim}")
@@ -171,6 +166,18 @@ def selective_scan_ref(
         ended = torch.cat(ended)[:, 0] if ended else state.new_zeros(0, dim, dstate)
         state = final.index_put((nonempty_spans(bounds, u.device).index,), ended)
     return skip_and_gate(y, u, D, z), state
+
+
+def scan_shapes(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor) -> tuple[int, int, int, int]:
+    """``(batch, dim, time, dstate)`` of a selective scan's ``u, delta [batch, dim, time]`` and ``A [dim, dstate]``;
+    raises when they disagree."""
+    batch, dim, time = u.shape
+    dstate = A.shape[-1]
+    if A.shape != (dim, dstate) or delta.shape != u.shape:
+        raise ValueError(
+            f"selective_scan: u {tuple(u.shape)}, delta {tuple(delta.shape)} and A {tuple(A.shape)} disagree"
+        )
+    return batch, dim, time, dstate
 
 
 def skip_and_gate(y: torch.Tensor, u: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None) -> torch.Tensor:

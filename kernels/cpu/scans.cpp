@@ -169,59 +169,66 @@ struct DeltaArgs {
   int64_t batch, time, heads, key_heads, dim_k, dim_v, gate_width;
 };
 
-// Tokens of one (batch row, head) on `W` consecutive columns of the state from `p0`: two passes over the rows
-// per token (decay and read S^T k; then write k u^T and read S^T q), the W columns of the sums in registers.
+// One token of one (batch row, head) on `W` consecutive columns of the state from `p0`: two passes over the rows
+// (decay and read S^T k; then write k u^T and read S^T q), the W columns of the sums in registers. `decay` holds
+// the token's row decays (null: no gate).
 template <int W>
-void delta_block(const DeltaArgs& a, int64_t b, int64_t h, int64_t p0, float* decay) {
-  const int64_t K = a.dim_k, V = a.dim_v, kh = h / (a.heads / a.key_heads);
+void delta_block(const DeltaArgs& a, int64_t b, int64_t h, int64_t t, int64_t p0, const float* decay) {
+  const int64_t K = a.dim_k, V = a.dim_v, kh = h / (a.heads / a.key_heads), row = b * a.time + t;
   float* S = a.state + (b * a.heads + h) * K * V + p0;  // row i at S + i * V
-  for (int64_t t = 0; t < a.time; ++t) {
-    const int64_t row = b * a.time + t;
-    const float* kt = a.k + (row * a.key_heads + kh) * K;
-    const float* qt = a.q + (row * a.key_heads + kh) * K;
-    const float* vt = a.v + (row * a.heads + h) * V + p0;
-    const float beta = a.beta[row * a.heads + h];
-    if (a.gate) {
-      const float* gt = a.gate + (row * a.heads + h) * a.gate_width;
+  const float* kt = a.k + (row * a.key_heads + kh) * K;
+  const float* qt = a.q + (row * a.key_heads + kh) * K;
+  const float* vt = a.v + (row * a.heads + h) * V + p0;
+  const float beta = a.beta[row * a.heads + h];
+  float read[W], u[W], out[W];
 #pragma omp simd
-      for (int64_t i = 0; i < K; ++i) decay[i] = decay_exp(gt[a.gate_width == 1 ? 0 : i]);
+  for (int j = 0; j < W; ++j) read[j] = out[j] = 0.f;
+  for (int64_t i = 0; i < K; ++i) {
+    float* Si = S + i * V;
+    const float g = decay ? decay[i] : 1.f, ki = kt[i];
+#pragma omp simd
+    for (int j = 0; j < W; ++j) {
+      const float value = Si[j] * g;
+      Si[j] = value;
+      read[j] += ki * value;
     }
-    float read[W], u[W], out[W];
-#pragma omp simd
-    for (int j = 0; j < W; ++j) read[j] = out[j] = 0.f;
-    for (int64_t i = 0; i < K; ++i) {
-      float* Si = S + i * V;
-      const float g = a.gate ? decay[i] : 1.f, ki = kt[i];
-#pragma omp simd
-      for (int j = 0; j < W; ++j) {
-        const float value = Si[j] * g;
-        Si[j] = value;
-        read[j] += ki * value;
-      }
-    }
-#pragma omp simd
-    for (int j = 0; j < W; ++j) u[j] = beta * (vt[j] - read[j]);
-    for (int64_t i = 0; i < K; ++i) {
-      float* Si = S + i * V;
-      const float ki = kt[i], qi = a.scale * qt[i];
-#pragma omp simd
-      for (int j = 0; j < W; ++j) {
-        const float value = Si[j] + ki * u[j];
-        Si[j] = value;
-        out[j] += qi * value;
-      }
-    }
-    float* ot = a.o + (row * a.heads + h) * V + p0;
-    for (int j = 0; j < W; ++j) ot[j] = out[j];
   }
+#pragma omp simd
+  for (int j = 0; j < W; ++j) u[j] = beta * (vt[j] - read[j]);
+  for (int64_t i = 0; i < K; ++i) {
+    float* Si = S + i * V;
+    const float ki = kt[i], qi = a.scale * qt[i];
+#pragma omp simd
+    for (int j = 0; j < W; ++j) {
+      const float value = Si[j] + ki * u[j];
+      Si[j] = value;
+      out[j] += qi * value;
+    }
+  }
+  float* ot = a.o + (row * a.heads + h) * V + p0;
+  for (int j = 0; j < W; ++j) ot[j] = out[j];
 }
 
+// The tokens of one (batch row, head): each token's decays once (one exp for a gate per head), then every block of
+// columns.
 void delta_head(const DeltaArgs& a, int64_t b, int64_t h) {
   std::vector<float> decay(a.dim_k);
-  int64_t p0 = 0;
-  for (; p0 + 16 <= a.dim_v; p0 += 16) delta_block<16>(a, b, h, p0, decay.data());
-  for (; p0 + 8 <= a.dim_v; p0 += 8) delta_block<8>(a, b, h, p0, decay.data());
-  for (; p0 < a.dim_v; ++p0) delta_block<1>(a, b, h, p0, decay.data());
+  for (int64_t t = 0; t < a.time; ++t) {
+    if (a.gate) {
+      const float* gt = a.gate + ((b * a.time + t) * a.heads + h) * a.gate_width;
+      if (a.gate_width == 1) {
+        std::fill(decay.begin(), decay.end(), decay_exp(gt[0]));
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < a.dim_k; ++i) decay[i] = decay_exp(gt[i]);
+      }
+    }
+    const float* rows = a.gate ? decay.data() : nullptr;
+    int64_t p0 = 0;
+    for (; p0 + 16 <= a.dim_v; p0 += 16) delta_block<16>(a, b, h, t, p0, rows);
+    for (; p0 + 8 <= a.dim_v; p0 += 8) delta_block<8>(a, b, h, t, p0, rows);
+    for (; p0 < a.dim_v; ++p0) delta_block<1>(a, b, h, t, p0, rows);
+  }
 }
 
 // Below this many state updates (time x head_dim x dstate, summed over its share of heads) a thread is not worth
