@@ -1,14 +1,15 @@
-"""The recurrent scans on the CPU: the chunked references (``hybridlm/ops/ssd.py``'s SSD, ``selective_scan.py``'s
-Mamba-1 scan, ``delta_rule.py``'s gated delta rule; backend ``torch``) against our C++ sequential scans (backend
-``cpu``, ``hybridlm/ops/cpu_kernels.py``, the default where a C++ compiler exists). First the ops alone, at the
-shapes of the peer models and of larger layers, then whole eager prefills: the bundled hybrid and the
-``mamba2-lm-small`` preset (the models ``cpu_peers.py`` runs), and the Jamba and Qwen3-Next shapes of
-``hf_speed.py`` (random weights).
+"""The recurrent scans and the short convolution on the CPU: the references (``hybridlm/ops/ssd.py``'s chunked
+SSD, ``selective_scan.py``'s Mamba-1 scan, ``delta_rule.py``'s gated delta rule, ``causal_conv1d.py``'s
+convolution; backend ``torch``) against our C++ kernels (backend ``cpu``, ``hybridlm/ops/cpu_kernels.py``, the
+default where a C++ compiler exists). First the ops alone, at the shapes of the peer models and of larger layers,
+then whole eager prefills: the bundled hybrid and the ``mamba2-lm-small`` preset (the models ``cpu_peers.py``
+runs), and the Jamba and Qwen3-Next shapes of ``hf_speed.py`` (random weights), twice: every kernel against every
+reference, then the convolution alone (the scans in C++ on both sides).
 
 The two backends take turns call by call (order reversed every other round) after a warm-up round; the script
-prints min / median and the medians' ratio (torch / cpu: > 1, the C++ scan is faster).
+prints min / median and the medians' ratio (torch / cpu: > 1, the C++ kernel is faster).
 
-    python benchmarks/cpu_scan.py [--threads 1 2] [--tokens 256 2048] [--rounds 15]
+    python benchmarks/cpu_scan.py [--threads 1 2] [--tokens 256 2048] [--rounds 15] [--parts scans conv prefill]
 """
 
 from __future__ import annotations
@@ -38,15 +39,21 @@ SELECTIVE_SHAPES = [("jamba shape", 512, 16, 1), ("mamba-130m layer", 1536, 16, 
 #: (name, key heads, value heads, dim_k, dim_v) of gated delta rule layers: hf_speed.py's Qwen3-Next shape, and
 #: Qwen3-Next-80B's (16 key and 32 value heads of 128)
 DELTA_SHAPES = [("qwen3_next shape", 4, 8, 64, 64), ("qwen3-next-80b layer", 16, 32, 128, 128)]
+#: (name, channels, width) of short convolutions: the hybrid's and the peer Mamba-2's (x, B and C), the Jamba shape's
+#: (Mamba-1: x alone), a Mamba-2 780M layer's
+CONV_SHAPES = [("hybrid", 320, 4), ("peer mamba2", 640, 4), ("jamba shape", 512, 4), ("mamba2-780m layer", 3328, 4)]
 BACKENDS = ("torch", "cpu")
+KERNEL_OPS = ("ssd_chunk_scan", "selective_scan", "gated_delta_rule", "causal_conv1d")
+PARTS = ("scans", "conv", "prefill")
 
 
-def interleaved(call, rounds: int) -> dict[str, tuple[float, float]]:
-    """backend -> (min, median) seconds of ``call()`` under ``use_backend(ssd_chunk_scan=backend)``."""
+def interleaved(call, rounds: int, switched: tuple[str, ...] = KERNEL_OPS) -> dict[str, tuple[float, float]]:
+    """backend -> (min, median) seconds of ``call()`` with the ops ``switched`` on that backend (the others on
+    their default)."""
     times = {backend: [] for backend in BACKENDS}
     for round_ in range(rounds + 1):
         for backend in BACKENDS if round_ % 2 == 0 else reversed(BACKENDS):
-            with ops.use_backend(ssd_chunk_scan=backend, selective_scan=backend, gated_delta_rule=backend):
+            with ops.use_backend(**dict.fromkeys(switched, backend)):
                 start = time.perf_counter()
                 call()
                 if round_:
@@ -90,6 +97,17 @@ def delta_call(tokens: int, key_heads: int, heads: int, dim_k: int, dim_v: int):
     return lambda: ops.gated_delta_rule(q, k, v, log_gate, beta)
 
 
+@torch.inference_mode()
+def conv_call(tokens: int, channels: int, width: int):
+    """The convolution as the mixers call it: x a time-major slice of a wider projection, a window, SiLU."""
+    g = torch.Generator().manual_seed(0)
+    projected = torch.randn(1, tokens, channels + 256, generator=g)
+    x = projected[..., 128 : 128 + channels].transpose(1, 2)  # [1, channels, tokens], channels contiguous
+    weight, bias = torch.randn(channels, width, generator=g), torch.randn(channels, generator=g)
+    window = torch.randn(1, channels, width - 1, generator=g)
+    return lambda: ops.causal_conv1d(x, weight, bias, initial_state=window, activation="silu")
+
+
 def models() -> dict[str, hybridlm.HybridForCausalLM]:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as directory:
@@ -120,30 +138,41 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 2048])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="the scans alone, the convolution alone, whole prefills")
     args = parser.parse_args()
     reason = ops.backends.unavailable_reason("cpu", "selective_scan", "cpu")
     if reason is not None:
-        sys.exit(f"the C++ CPU scan cannot run here: {reason}")
+        sys.exit(f"the C++ CPU kernels cannot run here: {reason}")
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}", flush=True)
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for name, heads, head_dim, dstate in SCAN_SHAPES:
-            for tokens in args.tokens:
-                report(f"{threads} thread(s), scan {name} ({heads} heads x {head_dim} x {dstate}), {tokens} tokens",
-                       interleaved(scan_call(tokens, heads, head_dim, dstate), args.rounds))
-        for name, channels, dstate, groups in SELECTIVE_SHAPES:
-            for tokens in args.tokens:
-                report(f"{threads} thread(s), selective scan {name} ({channels} channels x {dstate}), {tokens} tokens",
-                       interleaved(selective_call(tokens, channels, dstate, groups), args.rounds))
-        for name, key_heads, heads, dim_k, dim_v in DELTA_SHAPES:
-            for tokens in args.tokens:
-                report(f"{threads} thread(s), gated delta rule {name} ({key_heads}/{heads} heads x {dim_k} x {dim_v}), "
-                       f"{tokens} tokens", interleaved(delta_call(tokens, key_heads, heads, dim_k, dim_v), args.rounds))
-        for name, model in models().items():
-            for tokens in args.tokens:
-                report(f"{threads} thread(s), prefill {name}, {tokens} tokens",
-                       interleaved(prefill_call(model.eval(), tokens), args.rounds))
-
+        if "scans" in args.parts:
+            for name, heads, head_dim, dstate in SCAN_SHAPES:
+                for tokens in args.tokens:
+                    report(f"{threads} thread(s), scan {name} ({heads} heads x {head_dim} x {dstate}), {tokens} "
+                           "tokens", interleaved(scan_call(tokens, heads, head_dim, dstate), args.rounds))
+            for name, channels, dstate, groups in SELECTIVE_SHAPES:
+                for tokens in args.tokens:
+                    report(f"{threads} thread(s), selective scan {name} ({channels} channels x {dstate}), {tokens} "
+                           "tokens", interleaved(selective_call(tokens, channels, dstate, groups), args.rounds))
+            for name, key_heads, heads, dim_k, dim_v in DELTA_SHAPES:
+                for tokens in args.tokens:
+                    report(f"{threads} thread(s), gated delta rule {name} ({key_heads}/{heads} heads x {dim_k} x "
+                           f"{dim_v}), {tokens} tokens",
+                           interleaved(delta_call(tokens, key_heads, heads, dim_k, dim_v), args.rounds))
+        if "conv" in args.parts:
+            for name, channels, width in CONV_SHAPES:
+                for tokens in args.tokens:
+                    report(f"{threads} thread(s), conv {name} ({channels} channels x {width}), {tokens} tokens",
+                           interleaved(conv_call(tokens, channels, width), args.rounds))
+        if "prefill" in args.parts:
+            for name, model in models().items():
+                for tokens in args.tokens:
+                    call = prefill_call(model.eval(), tokens)
+                    report(f"{threads} thread(s), prefill {name}, {tokens} tokens", interleaved(call, args.rounds))
+                    report(f"{threads} thread(s), prefill {name}, {tokens} tokens, the conv alone",
+                           interleaved(call, args.rounds, ("causal_conv1d",)))
 
 if __name__ == "__main__":
     main()

@@ -62,7 +62,7 @@ PREFERENCE: dict[str, tuple[str, ...]] = {
     "selective_scan": ("cuda", "triton", "mamba_ssm", "cpu", "torch"),
     "selective_state_update": ("triton", "mamba_ssm", "torch"),
     "ssd_chunk_scan": ("triton", "mamba_ssm", "cpu", "torch"),
-    "causal_conv1d": ("causal_conv1d", "triton", "torch"),
+    "causal_conv1d": ("causal_conv1d", "triton", "cpu", "torch"),
     "causal_conv1d_update": ("causal_conv1d", "triton", "torch"),
     "causal_linear_attention": ("triton", "torch"),
     "causal_compressed_attention": ("torch",),

@@ -19,10 +19,31 @@ from hybridlm.ops.packing import check_initial_states, packed_sequences, token_s
 ACTIVATIONS = (None, "silu")
 
 
-def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+def check_activation(activation: str | None) -> None:
     if activation not in ACTIVATIONS:
         raise ValueError(f"causal_conv1d activation={activation!r}; allowed: {ACTIVATIONS}")
+
+
+def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
+    check_activation(activation)
     return F.silu(y) if activation == "silu" else y
+
+
+def conv_shapes(x: torch.Tensor, weight: torch.Tensor, activation: str | None,
+                initial_state: torch.Tensor | None = None) -> tuple[int, int, int, int]:
+    """``(batch, channels, time, width)`` of ``x [batch, channels, time]`` convolved by ``weight [channels,
+    width]`` from ``initial_state [batch, channels, width - 1]`` (when given); raises naming what disagrees."""
+    if x.dim() != 3:
+        raise ValueError(f"causal_conv1d x must be [batch, channels, time], got {tuple(x.shape)}")
+    batch, channels, time = x.shape
+    width = weight.shape[-1]
+    if weight.shape != (channels, width):
+        raise ValueError(f"causal_conv1d weight must be [channels={channels}, width], got {tuple(weight.shape)}")
+    check_activation(activation)
+    if initial_state is not None and initial_state.shape != (batch, channels, width - 1):
+        raise ValueError(f"causal_conv1d initial_state must be [batch={batch}, channels={channels}, width - 1="
+                         f"{width - 1}], got {tuple(initial_state.shape)}")
+    return batch, channels, time, width
 
 
 def causal_conv1d_ref(
@@ -40,10 +61,8 @@ def causal_conv1d_ref(
     Returns ``(y [batch, channels, time], final_state [batch, channels, width - 1])``; packed (batch 1), the
     states are ``[n_seqs, channels, width - 1]``.
     """
-    batch, channels, time = x.shape
-    width = weight.shape[-1]
-    if weight.shape != (channels, width):
-        raise ValueError(f"causal_conv1d weight must be [channels={channels}, width], got {tuple(weight.shape)}")
+    packed = seq_idx is not None or cu_seqlens is not None  # then initial_state holds one window per sequence
+    batch, channels, time, width = conv_shapes(x, weight, activation, None if packed else initial_state)
     bounds = packed_sequences(batch, time, seq_idx, cu_seqlens)
     if bounds is not None:
         check_initial_states("causal_conv1d", bounds, initial_state)

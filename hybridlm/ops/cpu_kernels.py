@@ -1,22 +1,24 @@
-"""Our C++ CPU scans (``kernels/cpu/scans.cpp``, shipped as ``hybridlm/_kernels/cpu``): Mamba-2's SSD, Mamba-1's
-selective scan and the gated delta rule as the literal recurrences, the ``cpu`` backend of ``ssd_chunk_scan``,
-``selective_scan`` and ``gated_delta_rule``, and their default on CPU tensors where it can run.
+"""Our C++ CPU kernels (``kernels/cpu/``, shipped as ``hybridlm/_kernels/cpu``): Mamba-2's SSD, Mamba-1's selective
+scan and the gated delta rule as the literal recurrences (``scans.cpp``), and the short causal convolution with its
+SiLU (``conv.cpp``). They are the ``cpu`` backend of ``ssd_chunk_scan``, ``selective_scan``, ``gated_delta_rule``
+and ``causal_conv1d``, and their default on CPU tensors where they can run.
 
 The chunked references issue hundreds of tensor ops per call (about 240 for the SSD) and stream their
 intermediates through memory; at the state sizes of small and mid-sized models that costs more than the
 arithmetic, and more still at 2 threads. The recurrences in C++ do the same work one token at a time from
 registers. Measured on an AVX2 EPYC, 1 thread, min, reference against C++ (``benchmarks/cpu_scan.py``): the SSD of
 256 tokens of 8 heads x 32 x 32 in 1.54 against 0.34 ms, of 2,048 tokens of 16 heads x 32 x 64 in 25.5 against
-7.0 ms; Mamba-1's scan of 2,048 tokens of 512 channels x 16 in 88.6 against 32.3 ms. Their threads are OpenMP's:
-in a torch process the library shares torch's runtime and thread pool.
+7.0 ms; Mamba-1's scan of 2,048 tokens of 512 channels x 16 in 88.6 against 32.3 ms. The reference convolution
+is a concatenation, one tensor op per tap and a SiLU, each a pass over memory; the kernel reads each token's
+channels once. Their threads are OpenMP's: in a torch process the library shares torch's runtime and thread pool.
 
-The source has a plain C interface and no torch headers, so the system C++ compiler (``$CXX``, else ``c++``,
-``g++`` or ``clang++``) builds it in about a second on first use, for this CPU (``-march=native``). The library is
-cached under ``$HYBRIDLM_KERNEL_CACHE`` (default ``~/.cache/hybridlm/kernels``), named by a digest of the source,
-the flags, the compiler and this CPU's features, written aside and renamed into place, with its sha256 beside it
-(a library that fails it is built again). Without a compiler the backend is unavailable and the references run.
-It serves inference only: a call that needs gradients, packed sequences, float64, or runs inside ``torch.compile``,
-is declined to the reference.
+The sources have a plain C interface and no torch headers, so the system C++ compiler (``$CXX``, else ``c++``,
+``g++`` or ``clang++``) builds them in about a second on first use, for this CPU (``-march=native``). The library
+is cached under ``$HYBRIDLM_KERNEL_CACHE`` (default ``~/.cache/hybridlm/kernels``), named by a digest of the
+sources, the flags, the compiler and this CPU's features, written aside and renamed into place, with its sha256
+beside it (a library that fails it is built again). Without a compiler the backend is unavailable and the
+references run. It serves inference only: a call that needs gradients, packed sequences, float64, or runs inside
+``torch.compile``, is declined to the reference, as is a convolution of reduced-precision inputs.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from hybridlm.files import sha256_of, write_file, written_aside
+from hybridlm.ops.causal_conv1d import conv_shapes
 from hybridlm.ops.cuda import kernel_sources
 from hybridlm.ops.declined import Declined
 from hybridlm.ops.delta_rule import _check as check_delta_rule
 from hybridlm.ops.selective_scan import scan_shapes, skip_and_gate
 
-SOURCE = kernel_sources() / "cpu" / "scans.cpp"
+SOURCE_DIR = kernel_sources() / "cpu"
+SOURCES = ("scans.cpp", "conv.cpp")  # built into one library, with the headers beside them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 CACHE_ENV = "HYBRIDLM_KERNEL_CACHE"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -58,7 +62,7 @@ def compiler() -> list[str] | None:
 
 
 def unavailable_reason() -> str | None:
-    """Why the CPU scans cannot run here, or None if they can (builds nothing)."""
+    """Why the CPU kernels cannot run here, or None if they can (builds nothing)."""
     if platform.system() != "Linux":
         return f"built for Linux (OpenMP through torch's libgomp); this is {platform.system()}"
     command = compiler()
@@ -66,8 +70,9 @@ def unavailable_reason() -> str | None:
         return "no C++ compiler (set CXX, or install g++ or clang++)"
     if shutil.which(command[0]) is None:
         return f"the C++ compiler {command[0]!r} (CXX) is not found"
-    if not SOURCE.is_file():
-        return f"the source {SOURCE} is missing"
+    missing = [str(SOURCE_DIR / name) for name in SOURCES if not (SOURCE_DIR / name).is_file()]
+    if missing:
+        return f"the source {', '.join(missing)} is missing"
     return None
 
 
@@ -85,9 +90,10 @@ def library_path() -> Path:
     """Where this source, built by this compiler with these flags for this CPU, is cached."""
     cxx = compiler()
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, *cxx, version, _cpu_identity()]).encode())
+    sources = [path.read_text() for path in sorted(SOURCE_DIR.iterdir()) if path.suffix in (".cpp", ".h")]
+    digest = hashlib.sha256("\0".join([*sources, *FLAGS, *cxx, version, _cpu_identity()]).encode())
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybridlm" / "kernels")
-    return cache / f"cpu_scans-{digest.hexdigest()[:16]}.so"
+    return cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
 
 
 def load_library() -> ctypes.CDLL:
@@ -97,18 +103,20 @@ def load_library() -> ctypes.CDLL:
     if _library is None:
         reason = unavailable_reason()
         if reason is not None:
-            raise RuntimeError(f"hybridlm CPU scans: {reason}")
+            raise RuntimeError(f"hybridlm CPU kernels: {reason}")
         path = library_path()
         if not _intact(path):
             _build(path)
         try:
             library = ctypes.CDLL(str(path))
         except OSError as error:
-            raise RuntimeError(f"hybridlm CPU scans: cannot load {path} ({error}); delete it to rebuild") from None
+            raise RuntimeError(f"hybridlm CPU kernels: cannot load {path} ({error}); delete it to rebuild") from None
         library.ssd_scan_f32.argtypes = [_FLOAT_P] * 8 + [_INT] * 7
         library.selective_scan_f32.argtypes = [_FLOAT_P] * 7 + [_INT] * 6
         library.gated_delta_rule_f32.argtypes = [_FLOAT_P] * 7 + [ctypes.c_float] + [_INT] * 8
-        for function in (library.ssd_scan_f32, library.selective_scan_f32, library.gated_delta_rule_f32):
+        library.causal_conv1d_f32.argtypes = [_FLOAT_P, _INT, _INT] + [_FLOAT_P] * 5 + [_INT] * 6
+        for function in (library.ssd_scan_f32, library.selective_scan_f32, library.gated_delta_rule_f32,
+                         library.causal_conv1d_f32):
             function.restype = None
         _library = library
     return _library
@@ -132,9 +140,11 @@ def _build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_aside(path) as temporary:
         cxx = compiler()
-        run = subprocess.run([*cxx, *FLAGS, "-o", str(temporary), str(SOURCE)], capture_output=True, text=True)
+        sources = [str(SOURCE_DIR / name) for name in SOURCES]
+        run = subprocess.run([*cxx, *FLAGS, "-o", str(temporary), *sources], capture_output=True, text=True)
         if run.returncode:
-            raise RuntimeError(f"hybridlm CPU scans: building {path} from {SOURCE} with {shlex.join(cxx)} failed:\n"
+            raise RuntimeError(f"hybridlm CPU kernels: building {path} from {SOURCE_DIR} with {shlex.join(cxx)} "
+                               f"failed:\n"
                                f"{(run.stderr or run.stdout).strip()}")
     write_file(_digest_file(path), sha256_of(path))
 
@@ -237,6 +247,34 @@ def gated_delta_rule(
         *map(_pointer, (qf, kf, vf, gates, betaf, state, o)), dim_k**-0.5 if scale is None else scale, batch, time,
         heads, key_heads, dim_k, dim_v, 1 if gates is None or gates.dim() == 3 else dim_k, torch.get_num_threads())
     return o.to(v.dtype), state
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    initial_state: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`hybridlm.ops.causal_conv1d.causal_conv1d_ref`'s contract for fp32 CPU tensors in inference (no
+    packed sequences); declines the rest. ``(y [batch, channels, time], final_state [batch, channels, width -
+    1])``, ``y`` a view of a time-major ``[batch, time, channels]`` tensor (the layout the mixers go on in)."""
+    _check_servable(x, weight, bias, initial_state)
+    if x.dtype != torch.float32:
+        raise Declined("the CPU conv takes fp32 inputs (the reference rounds a reduced-precision conv before its "
+                       "activation)")
+    batch, channels, time, width = conv_shapes(x, weight, activation, initial_state)
+    if x.stride(1) != 1:  # channels contiguous: each tap is a vector operation across them
+        x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    taps = weight.detach().float().t().contiguous()  # [width, channels]
+    bias = torch.zeros(channels) if bias is None else bias.detach().float().contiguous()  # + 0 changes no sum
+    window = None if initial_state is None else initial_state.detach().float().contiguous()
+    y = torch.empty(batch, time, channels)
+    final = torch.empty(batch, channels, width - 1)
+    load_library().causal_conv1d_f32(_pointer(x.detach()), x.stride(0), x.stride(2), *map(_pointer, (
+        window, taps, bias, y, final)), batch, time, channels, width, activation == "silu", torch.get_num_threads())
+    return y.transpose(1, 2), final
 
 
 def _time_major(x: torch.Tensor, name: str, batch: int, time: int, dstate: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""Our C++ CPU scans (``hybridlm.ops.cpu_kernels``, the default ``ssd_chunk_scan``, ``selective_scan`` and
-``gated_delta_rule`` on CPU tensors) against the float64 recurrences; their vectorized exp; what they decline to the
-references; and the build cache (digest-named, verified, written aside)."""
+"""Our C++ CPU kernels (``hybridlm.ops.cpu_kernels``, the default ``ssd_chunk_scan``, ``selective_scan``,
+``gated_delta_rule`` and ``causal_conv1d`` on CPU tensors) against the float64 recurrences and convolution; their
+vectorized exp; what they decline to the references; and the build cache (digest-named, verified, written
+aside)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from hybridlm import ops
 from hybridlm.ops import backends, cpu_kernels
+from hybridlm.ops.causal_conv1d import causal_conv1d_ref
 from hybridlm.ops.delta_rule import gated_delta_rule_ref
 from hybridlm.ops.selective_scan import selective_scan_ref
 from hybridlm.ops.ssd import ssd_chunk_scan_ref
@@ -323,6 +325,89 @@ def test_a_compiled_forward_traces_the_reference_and_agrees_with_the_eager_kerne
     assert_close_rel(compiled, eager)
 
 
+def conv_inputs(batch, channels, time, width, seed=0, bias=True, window=True, time_major=True):
+    """fp32 ``(x [batch, channels, time], weight, bias, window)``; x laid out time-major (as the mixers' projections
+    give it) or channel-major."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, time, channels, generator=g).transpose(1, 2) * 3
+    if not time_major:
+        x = x.contiguous()
+    return (x, torch.randn(channels, width, generator=g), torch.randn(channels, generator=g) if bias else None,
+            torch.randn(batch, channels, width - 1, generator=g) if window else None)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), channels=st.integers(1, 40), time=st.integers(1, 70), width=st.integers(1, 5),
+       activation=st.sampled_from([None, "silu"]), bias=st.booleans(), window=st.booleans(),
+       time_major=st.booleans(), seed=st.integers(0, 2**16))
+def test_conv_is_the_convolution(batch, channels, time, width, activation, bias, window, time_major, seed):
+    """Every width (2-4 unrolled, others not), tokens reading the window and tokens past it, both layouts of x;
+    against the float64 reference, and the window after it exactly."""
+    x, weight, b, s0 = conv_inputs(batch, channels, time, width, seed, bias, window, time_major)
+    y, final = cpu_kernels.causal_conv1d(x, weight, b, initial_state=s0, activation=activation)
+    doubles = [None if t is None else t.double() for t in (x, weight, b, s0)]
+    y_exact, final_exact = causal_conv1d_ref(*doubles[:3], initial_state=doubles[3], activation=activation)
+    assert y.shape == x.shape and y.dtype == torch.float32 and final.shape == (batch, channels, width - 1)
+    assert y_exact.abs().max() > 0.1
+    assert_close_rel(y, y_exact)
+    assert torch.equal(final, final_exact.float())  # the last inputs, copied
+
+
+def test_conv_silu_is_within_float_rounding_far_into_both_tails():
+    """The SiLU's exp in the kernel (a polynomial, flushing below exp(-80)) against float64 at large |v|."""
+    values = torch.tensor([-200.0, -87.5, -80.5, -79.5, -30.0, -1e-3, 0.0, 1e-3, 30.0, 88.0, 200.0])
+    x, weight = values.view(1, 1, -1), torch.ones(1, 1)
+    y, _ = cpu_kernels.causal_conv1d(x, weight, activation="silu")
+    exact = torch.nn.functional.silu(values.double())
+    assert torch.all((y[0, 0].double() - exact).abs() <= 1e-6 * exact.abs() + 1e-30)
+
+
+def test_conv_threads_give_the_same_bits_and_the_default_op_runs_it():
+    backends.reload_environment()
+    assert backends.chosen("causal_conv1d", "cpu") == ("cpu", "torch")
+    x, weight, bias, s0 = conv_inputs(2, 48, 300, 4, seed=3)
+    results = []
+    for threads in (1, 2):
+        with mock.patch.object(torch, "get_num_threads", return_value=threads):
+            results.append(cpu_kernels.causal_conv1d(x, weight, bias, initial_state=s0, activation="silu"))
+    assert results[0][0].abs().max() > 0.1
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    with torch.inference_mode():
+        got = ops.causal_conv1d(x, weight, bias, initial_state=s0, activation="silu")
+    assert all(torch.equal(a, b) for a, b in zip(got, results[0]))
+
+
+def test_conv_declines_to_the_reference_what_it_cannot_serve():
+    x, weight, bias, s0 = conv_inputs(1, 16, 30, 4, seed=4)
+
+    def both(*args, **kwargs):
+        got, reference = ops.causal_conv1d(*args, **kwargs), causal_conv1d_ref(*args, **kwargs)
+        assert reference[0].abs().max() > 0.1 and all(torch.equal(a, b) for a, b in zip(got, reference))
+
+    both(*(t.double() for t in (x, weight, bias)), initial_state=s0.double(), activation="silu")  # float64
+    both(x.bfloat16(), weight, bias, initial_state=s0, activation="silu")  # reduced precision: rounded before SiLU
+    both(x, weight, bias, activation="silu", cu_seqlens=torch.tensor([0, 12, 30]))  # packed: not offered
+    leaf = x.clone().requires_grad_()  # gradients: the reference's backward
+    (grad,) = torch.autograd.grad(ops.causal_conv1d(leaf, weight, bias, activation="silu")[0].square().sum(), leaf)
+    twin = x.clone().requires_grad_()
+    (expected,) = torch.autograd.grad(causal_conv1d_ref(twin, weight, bias, activation="silu")[0].square().sum(),
+                                      twin)
+    assert expected.abs().max() > 0.1 and torch.equal(grad, expected)
+
+
+def test_conv_refuses_disagreeing_shapes_and_unknown_activations_by_name():
+    x, weight, bias, s0 = conv_inputs(2, 8, 10, 4, seed=5)
+    for function in (cpu_kernels.causal_conv1d, causal_conv1d_ref):
+        with pytest.raises(ValueError, match=r"weight must be \[channels=8, width\]"):
+            function(x, weight[:4], bias)
+        with pytest.raises(ValueError, match=r"initial_state must be \[batch=2, channels=8, width - 1=3\]"):
+            function(x, weight, bias, initial_state=s0[:, :, :2])
+        with pytest.raises(ValueError, match="activation='gelu'"):
+            function(x, weight, bias, activation="gelu")
+        with pytest.raises(ValueError, match=r"x must be \[batch, channels, time\]"):
+            function(x[0], weight, bias)
+
+
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     """An empty library cache, and no library loaded yet in this process."""
@@ -333,7 +418,7 @@ def fresh_cache(tmp_path, monkeypatch):
 
 def test_build_writes_the_library_and_its_digest_and_rebuilds_a_corrupted_one(fresh_cache, monkeypatch):
     path = cpu_kernels.library_path()
-    assert path.parent == fresh_cache and path.name.startswith("cpu_scans-")
+    assert path.parent == fresh_cache and path.name.startswith("cpu_kernels-")
     cpu_kernels.load_library()
     assert sorted(p.name for p in fresh_cache.iterdir()) == [path.name, path.name + ".sha256"]  # nothing aside left
     truncated = path.with_name("truncated")
@@ -348,8 +433,18 @@ def test_build_writes_the_library_and_its_digest_and_rebuilds_a_corrupted_one(fr
                      exact(*inputs)[0])
 
 
-def test_the_cache_name_follows_the_source_flags_compiler_and_cpu(fresh_cache, monkeypatch):
+def test_the_cache_name_follows_the_sources_flags_compiler_and_cpu(fresh_cache, tmp_path, monkeypatch):
     first = cpu_kernels.library_path()
+    shipped, copy = cpu_kernels.SOURCE_DIR, tmp_path / "sources"
+    copy.mkdir()
+    for path in shipped.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", copy)
+    assert cpu_kernels.library_path() == first
+    with (copy / "fast_exp.h").open("a") as header:  # a header counts, as the .cpp files do
+        header.write("// changed\n")
+    assert cpu_kernels.library_path() != first
+    monkeypatch.setattr(cpu_kernels, "SOURCE_DIR", shipped)
     monkeypatch.setattr(cpu_kernels, "FLAGS", (*cpu_kernels.FLAGS, "-DNDEBUG"))
     assert cpu_kernels.library_path() != first
     monkeypatch.setattr(cpu_kernels, "FLAGS", cpu_kernels.FLAGS[:-1])
@@ -364,7 +459,7 @@ def test_a_failing_compiler_is_reported_with_its_output_and_leaves_no_file(fresh
                       "echo 'scans.cpp:1: error: no such intrinsic' >&2; exit 1\n")
     script.chmod(0o755)
     monkeypatch.setenv("CXX", str(script))
-    with pytest.raises(RuntimeError, match=r"building .*cpu_scans-.*\.so .*broken-cxx failed:\n.*no such intrinsic"):
+    with pytest.raises(RuntimeError, match=r"building .*cpu_kernels-.*\.so .*broken-cxx failed:\n.*no such intrinsic"):
         cpu_kernels.load_library()
     assert list(fresh_cache.iterdir()) == []
     monkeypatch.setenv("CXX", "no-such-compiler-here")
