@@ -1,11 +1,11 @@
 """Which implementation runs each op: the torch reference, our Triton or CUDA kernels, or an installed library.
 
 Backends: ``torch`` (the reference: every op, every device), ``triton`` (:mod:`hybridlm.ops.triton`), ``cuda``
-(our CUDA selective scan, :mod:`hybridlm.ops.cuda`), ``cpu`` (our C++ CPU scans, :mod:`hybridlm.ops.cpu_kernels`),
+(our CUDA selective scan, :mod:`hybridlm.ops.cuda`), ``cpu`` (our C++ CPU kernels, :mod:`hybridlm.ops.cpu_kernels`),
 and ``mamba_ssm``, ``causal_conv1d``, ``flash_attn``, ``fla`` (flash-linear-attention) when installed (adapters
 in :mod:`hybridlm.ops.external`).
 
-The choice is made per call from the device of the op's first tensor. By default CPU tensors run our C++ CPU scan
+The choice is made per call from the device of the op's first tensor. By default CPU tensors run our C++ CPU kernel
 where one exists and can be built (:data:`CPU_BACKENDS`), else the reference, and CUDA tensors the first available
 backend in :data:`PREFERENCE` that accepts the call (an adapter declines calls its
 library cannot serve exactly, e.g. mamba-ssm's selective scan with an initial state). Choices can be forced:
@@ -374,7 +374,7 @@ def chosen(op: str, device_type: str) -> tuple[str, ...]:
 def runs_reference(op: str, device_type: str) -> bool:
     """Whether ``op`` on ``device_type`` tensors runs its reference under the current selection: a mixer whose
     short forwards have a faster form than the reference's (Mamba-2's per-token states on CPU) takes it only then
-    (either form is exact: this picks a speed). True inside ``torch.compile``, where the C++ CPU scans decline."""
+    (either form is exact: this picks a speed). True inside ``torch.compile``, where the C++ CPU kernels decline."""
     return torch.compiler.is_compiling() or chosen(op, device_type)[0] == "torch"
 
 
