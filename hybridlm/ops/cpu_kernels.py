@@ -48,7 +48,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c++17",
 CACHE_ENV = "HYBRIDLM_KERNEL_CACHE"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-_FLOAT_P, _INT = ctypes.POINTER(ctypes.c_float), ctypes.c_int64
+# the C side takes float*: addresses pass as plain integers, which ctypes converts faster than typed pointers
+_POINTER, _INT = ctypes.c_void_p, ctypes.c_int64
 _library: ctypes.CDLL | None = None
 
 
@@ -111,10 +112,10 @@ def load_library() -> ctypes.CDLL:
             library = ctypes.CDLL(str(path))
         except OSError as error:
             raise RuntimeError(f"hybridlm CPU kernels: cannot load {path} ({error}); delete it to rebuild") from None
-        library.ssd_scan_f32.argtypes = [_FLOAT_P] * 8 + [_INT] * 7
-        library.selective_scan_f32.argtypes = [_FLOAT_P] * 7 + [_INT] * 6
-        library.gated_delta_rule_f32.argtypes = [_FLOAT_P] * 7 + [ctypes.c_float] + [_INT] * 8
-        library.causal_conv1d_f32.argtypes = [_FLOAT_P, _INT, _INT] + [_FLOAT_P] * 5 + [_INT] * 6
+        library.ssd_scan_f32.argtypes = [_POINTER] * 8 + [_INT] * 7
+        library.selective_scan_f32.argtypes = [_POINTER] * 7 + [_INT] * 6
+        library.gated_delta_rule_f32.argtypes = [_POINTER] * 7 + [ctypes.c_float] + [_INT] * 8
+        library.causal_conv1d_f32.argtypes = [_POINTER, _INT, _INT] + [_POINTER] * 5 + [_INT] * 6
         for function in (library.ssd_scan_f32, library.selective_scan_f32, library.gated_delta_rule_f32,
                          library.causal_conv1d_f32):
             function.restype = None
@@ -150,8 +151,9 @@ def _build(path: Path) -> None:
 
 
 def _pointer(tensor: torch.Tensor | None):
-    """``tensor``'s data as a ``float*``; the caller keeps the tensor alive until the C call returns."""
-    return None if tensor is None else ctypes.cast(tensor.data_ptr(), _FLOAT_P)
+    """The address of an fp32 ``tensor``'s data (None: a null pointer); the caller keeps the tensor alive until the C
+    call returns."""
+    return None if tensor is None else tensor.data_ptr()
 
 
 def ssd_chunk_scan(
