@@ -27,8 +27,12 @@ from hybridlm.cache.states import layout_of
 from hybridlm.model.modeling import check_float16_range
 from hybridlm.ops.attention import CPU_HAS_AMX_BF16
 from hybridlm.ops.backends import in_use_backend_block
+from hybridlm.ops.cpu_features import dtypes_without_cpu_products
 
 _VERSION = operator.attrgetter("_version")
+
+#: bf16 / fp16, where this CPU has no products of its own in them
+DTYPES_WITHOUT_CPU_PRODUCTS = dtypes_without_cpu_products()
 
 #: inductor settings of a CPU step compiled in the default mode: every matrix product through inductor's C++ GEMM
 #: template (specialised to the frozen weight's shape), none through MKL, and nothing timed at compile time
@@ -123,12 +127,16 @@ class DecodeStep:
 
     def _settings_for(self, tokens: torch.Tensor) -> dict:
         """The inductor settings of a step of ``tokens``: without the C++ GEMM templates where they would be
-        slower than oneDNN, i.e. plain bf16 weights, several rows, a CPU without AMX-BF16 (no bf16 dot product in
-        the template). On a Zen 4 (AVX-512 BF16), SmolLM2's 576 x 1,536 product took 68 us against oneDNN's 77
-        for one row, but 107 against 79 for two and 954 against 179 for 16; SmolLM2's bf16 step at batch 16 went
-        from 198 ms to 61 with this (eager: 104). fp16 and fp32 templates stay faster at 16 rows; int8 weights
-        keep theirs (unmeasured)."""
+        slower than oneDNN, i.e. plain bf16 weights, several rows, a CPU with bf16 dot products (AVX-512 BF16) but
+        without AMX-BF16 (the template has no bf16 dot product; oneDNN uses the CPU's). On a Zen 4 (AVX-512 BF16),
+        SmolLM2's 576 x 1,536 product took 68 us against oneDNN's 77 for one row, but 107 against 79 for two and
+        954 against 179 for 16; SmolLM2's bf16 step at batch 16 went from 198 ms to 61 with this (eager: 104).
+        A CPU without bf16 products (AVX2 only) keeps the templates: there oneDNN's bf16 products fall back to a
+        slow path, and the bundled hybrid's bf16 step at batch 16 took 10.9 ms with templates against 22.5
+        without (1 thread, medians). fp16 and fp32 templates stay faster at 16 rows; int8 weights keep theirs
+        (unmeasured)."""
         slower = (self.gemm_templates and tokens.shape[0] > 1 and not CPU_HAS_AMX_BF16
+                  and torch.bfloat16 not in DTYPES_WITHOUT_CPU_PRODUCTS
                   and self.model.lm_head.weight.dtype == torch.bfloat16
                   and all(type(weight.data) is torch.Tensor for weight in self.model.parameters()))
         if not slower:

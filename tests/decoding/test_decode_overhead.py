@@ -206,18 +206,25 @@ def test_a_cpu_step_multiplies_through_gemm_templates_or_falls_back_without_them
     assert not IncrementalDecoder(model, compile="default").decode_step.gemm_templates
 
 
-def test_bf16_steps_of_several_rows_compile_without_gemm_templates_on_a_cpu_without_amx(monkeypatch):
-    """inductor's C++ GEMM templates multiply bf16 slower than oneDNN from two rows on where the CPU has no AMX-BF16
-    (5x at 16 rows on a Zen 4): such a step compiles without them; one row, an AMX CPU, or fp32 keep them."""
+def test_bf16_steps_of_several_rows_compile_without_gemm_templates_on_a_cpu_with_bf16_products_but_no_amx(
+        monkeypatch):
+    """inductor's C++ GEMM templates multiply bf16 slower than oneDNN from two rows on where the CPU has bf16 dot
+    products but no AMX-BF16 (5x at 16 rows on a Zen 4): such a step compiles without them; one row, an AMX CPU,
+    a CPU without bf16 products (where oneDNN's bf16 is the slower: 2x at 16 rows on an AVX2 EPYC), or fp32 keep
+    them."""
     import hybridlm.decoding.decode_step as decode_step_module
 
-    for dtype, amx, batch, templates in ((torch.bfloat16, False, 2, False), (torch.bfloat16, False, 1, True),
-                                         (torch.bfloat16, True, 2, True), (torch.float32, False, 2, True)):
+    for dtype, amx, bf16_products, batch, templates in (
+            (torch.bfloat16, False, True, 2, False), (torch.bfloat16, False, True, 1, True),
+            (torch.bfloat16, True, True, 2, True), (torch.bfloat16, False, False, 2, True),
+            (torch.float32, False, True, 2, True)):
         monkeypatch.setattr(decode_step_module, "CPU_HAS_AMX_BF16", amx)
+        monkeypatch.setattr(decode_step_module, "DTYPES_WITHOUT_CPU_PRODUCTS",
+                            frozenset() if bf16_products else frozenset({torch.bfloat16}))
         step = DecodeStep(tiny_model(layer_pattern="A").to(dtype), compile=True, backend="eager")
         assert step.gemm_templates
         settings = step._settings_for(torch.zeros(batch, dtype=torch.long))
-        assert ("max_autotune" in settings) == templates, (dtype, amx, batch)
+        assert ("max_autotune" in settings) == templates, (dtype, amx, bf16_products, batch)
         assert settings["freezing"] and settings["cpp_wrapper"]
 
 
