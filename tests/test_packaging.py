@@ -86,14 +86,15 @@ def test_wheel_carries_the_kernel_sources_and_build_kernels_finds_them(tmp_path)
                    check=True, capture_output=True, timeout=300)
     import torch
 
-    check = ("from hybridlm.ops.cpu_kernels import SOURCE; print('CPU source:', SOURCE, SOURCE.is_file()); "
+    check = ("from hybridlm.ops.cpu_kernels import SOURCE_DIR, SOURCES; "
+             "print('CPU sources:', SOURCE_DIR, all((SOURCE_DIR / name).is_file() for name in SOURCES)); "
              + ("from hybridlm.cli import main; main(['build-kernels'])" if torch.version.cuda is None else
                 "from hybridlm.ops.cuda import KERNEL_DIR; print('CUDA sources:', KERNEL_DIR)"))  # no minute-long build
     run = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(installed)})
     found = f"CUDA sources: {installed / 'hybridlm' / '_kernels' / 'selective_scan'}"
     assert found in run.stdout, run.stdout + run.stderr
-    assert f"CPU source: {installed / 'hybridlm' / '_kernels' / 'cpu' / 'scans.cpp'} True" in run.stdout, run.stdout
+    assert f"CPU sources: {installed / 'hybridlm' / '_kernels' / 'cpu'} True" in run.stdout, run.stdout
     if torch.version.cuda is None:
         assert run.returncode == 2 and "this torch build has no CUDA" in run.stderr, run.stderr
 

@@ -24,7 +24,7 @@ from tests.ops.test_delta_rule import naive_delta_rule, random_inputs
 from tests.ops.test_reference_ops import naive_selective_scan, naive_ssd
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
-                                reason=f"CPU scans unavailable: {cpu_kernels.unavailable_reason()}")
+                                reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
 
 
 def ssd_inputs(batch, time, groups, heads_per_group, head_dim, dstate, seed=0, skip="heads"):
