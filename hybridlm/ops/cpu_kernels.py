@@ -73,7 +73,7 @@ def unavailable_reason() -> str | None:
         return f"the C++ compiler {command[0]!r} (CXX) is not found"
     missing = [str(SOURCE_DIR / name) for name in SOURCES if not (SOURCE_DIR / name).is_file()]
     if missing:
-        return f"the source {', '.join(missing)} is missing"
+        return f"sources missing: {', '.join(missing)}"
     return None
 
 
@@ -88,7 +88,7 @@ def _cpu_identity() -> str:
 
 
 def library_path() -> Path:
-    """Where this source, built by this compiler with these flags for this CPU, is cached."""
+    """Where these sources (and headers), built by this compiler with these flags for this CPU, are cached."""
     cxx = compiler()
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
     sources = [path.read_text() for path in sorted(SOURCE_DIR.iterdir()) if path.suffix in (".cpp", ".h")]
