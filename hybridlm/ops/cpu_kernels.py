@@ -274,7 +274,7 @@ def causal_conv1d(
     window = None if initial_state is None else initial_state.detach().float().contiguous()
     y = torch.empty(batch, time, channels)
     final = torch.empty(batch, channels, width - 1)
-    load_library().causal_conv1d_f32(_pointer(x.detach()), x.stride(0), x.stride(2), *map(_pointer, (
+    load_library().causal_conv1d_f32(_pointer(x), x.stride(0), x.stride(2), *map(_pointer, (
         window, taps, bias, y, final)), batch, time, channels, width, activation == "silu", torch.get_num_threads())
     return y.transpose(1, 2), final
 

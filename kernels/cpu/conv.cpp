@@ -2,7 +2,7 @@
 // and loaded with scans.cpp by hybridlm/ops/cpu_kernels.py). Depthwise over channels, causal over time:
 //   y[b, t, c] = act(bias[c] + sum_k w[k, c] x'[b, t + k, c]),   x' = [the window (width - 1 steps), x]
 // The reference (hybridlm/ops/causal_conv1d.py) makes x' by concatenation and runs one tensor op per tap, then a
-// SiLU: five passes over memory and as many dispatches. Here each token's channels are read once, contiguous
+// SiLU: a pass over memory and a dispatch each. Here each token's channels are read once, contiguous
 // (time-major, the layout the mixers' projections produce), and the SiLU is applied in registers. fp32 throughout.
 
 #include <algorithm>
