@@ -1,8 +1,9 @@
 """bf16 products on a CPU without bf16 products of its own (``hybridlm.layers.linear.Linear``): torch's own bf16
-product against the fp32 copy that ``Linear`` makes from ``MIN_FP32_ROWS`` rows, and fp32 weights as the
-reference; then SmolLM2-135M's eager prefill in bf16 with the rule on and off, in fp32, and with int8 weight-only
-codes on the bf16 model (``quantize_weights``, torchao) with the rule on (dequantized to fp32) and off (torchao's
-own product, in bf16).
+product against the fp32 copy that ``Linear`` makes from ``MIN_FP32_ROWS`` rows, our kernel
+(``hybridlm.ops.cpu_kernels.linear_rows``, which ``Linear`` calls first up to ``cpu_linear.MAX_ROWS`` rows; it is
+off for the other variants), and fp32 weights as the reference; then SmolLM2-135M's eager prefill in bf16 with
+the rule on and off, in fp32, and with int8 weight-only codes on the bf16 model (``quantize_weights``, torchao)
+with the rule on (dequantized to fp32) and off (torchao's own product, in bf16).
 
 Every variant takes turns call by call after a warm-up call; the script prints min / median and the medians'
 ratios (torch's bf16 product over the fp32 copy: > 1, the copy is faster).
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 import hybridlm  # noqa: E402
 from hybridlm.layers import linear  # noqa: E402
+from hybridlm.ops import cpu_kernels, cpu_linear  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from real_model import held_out_code, require_model  # noqa: E402
@@ -53,6 +55,8 @@ def report(head: str, times: dict, unit: float, name: str) -> None:
     base = times["bf16, fp32 copy"][1]
     ratios = f"torch bf16 / fp32 copy x{times['bf16, torch'][1] / base:.2f}, fp32 weights / fp32 copy " \
              f"x{times['fp32 weights'][1] / base:.2f}"
+    if "bf16, kernel" in times:
+        ratios += f", kernel / fp32 copy x{times['bf16, kernel'][1] / base:.2f}"
     if "int8, torchao" in times:
         int8 = times["int8, torchao"][1] / times["int8, fp32 dequantized"][1]
         ratios += f", int8 torchao / int8 dequantized x{int8:.2f}"
@@ -65,7 +69,7 @@ def fp32_copy(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def products(rows: list[int], calls: int) -> None:
+def products(rows: list[int], calls: int, with_kernel: bool) -> None:
     rule_on = frozenset({torch.bfloat16})
     for out_features, in_features in SHAPES:
         layer = linear.Linear(in_features, out_features, bias=False)
@@ -76,6 +80,8 @@ def products(rows: list[int], calls: int) -> None:
             xb = x.bfloat16()
             variants = {"bf16, torch": (RULE_OFF, partial(bf16, xb)), "bf16, fp32 copy": (rule_on, partial(bf16, xb)),
                         "fp32 weights": (RULE_OFF, partial(fp32, x))}
+            if with_kernel and n <= cpu_linear.MAX_ROWS:
+                variants["bf16, kernel"] = (RULE_OFF, partial(cpu_kernels.linear_rows, xb, bf16.weight))
             if n < linear.MIN_FP32_ROWS:  # below the rule's rows, the copy is forced for the comparison
                 variants["bf16, fp32 copy"] = (RULE_OFF, partial(fp32_copy, bf16.weight, xb))
             report(f"{out_features} x {in_features} at {n} rows", interleaved(variants, calls), 1e6, "us")
@@ -115,7 +121,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), CPU capability "
           f"{torch.backends.cpu.get_cpu_capability()}; bf16 without CPU products here: "
           f"{torch.bfloat16 in linear.DTYPES_WITHOUT_CPU_PRODUCTS}", flush=True)
-    products(args.rows, args.calls)
+    with_kernel, cpu_linear.SERVES_THIS_CPU = cpu_linear.SERVES_THIS_CPU, False  # Linear's torch paths only
+    products(args.rows, args.calls, with_kernel)
     if args.prefill:
         prefill(args.prefill, max(3, args.calls // 3))
 

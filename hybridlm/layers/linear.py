@@ -1,14 +1,19 @@
-"""The projection every layer and mixer uses: ``nn.Linear``, except for a bf16 or fp16 product of several rows
-on a CPU that has no products in that dtype (no AVX-512 BF16 or AMX for bf16; no AVX-512 FP16 or AMX-FP16 for
-fp16). There torch's eager product falls back to a slow path, several times slower than fp32, so the input and
-weight are copied to fp32, multiplied, and the output rounded once to the model's dtype (the same fp32
-accumulation the native products do).
+"""The projection every layer and mixer uses: ``nn.Linear``, except for a bf16 or fp16 product on a CPU that has
+no products in that dtype (no AVX-512 BF16 or AMX for bf16; no AVX-512 FP16 or AMX-FP16 for fp16). There torch's
+eager product falls back to a slow path, several times slower than fp32. So:
+
+* up to ``MAX_ROWS`` rows (a decode step) with bf16 weights, or int8 weight-only codes on a bf16 or fp32 model,
+  our kernel (:mod:`hybridlm.ops.cpu_linear`) reads the weights in their own width and multiplies in fp32;
+* from :data:`MIN_FP32_ROWS` rows on (past the kernel's rows: a prefill), the input and weight are copied to fp32,
+  multiplied, and the output rounded once to the model's dtype (the same fp32 accumulation the native products
+  do).
 
 Measured on an AVX2 AMD EPYC, 1 thread, SmolLM2-135M's weights in bf16 (``benchmarks/cpu_linear.py``, medians,
 docs/performance.md): 1,536 x 576 took 878 us in bf16 against 634 us copied at 4 rows, 48.4 against 6.2 ms at
 256 rows (a prefill); at 3 rows the two were level (0.91-1.33x over three shapes), and at 1 row (a decode
-step) the copy of the weight costs more than it saves (576 x 1,536: 204 against 322 us). Compiled graphs are
-left to inductor, which picks its own products."""
+step) the copy of the weight costs more than it saves (576 x 1,536: 204 against 322 us). The kernel beats both
+below 16 rows and is level with the copy at 16. Compiled graphs are left to inductor, which picks its own
+products, but for the kernel's bf16 steps of several rows (``cpu_linear.kernel_linear``)."""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops.cpu_features import dtypes_without_cpu_products
+from hybridlm.ops.cpu_linear import kernel_linear
 
 #: bf16 / fp16, where this CPU has no products of its own in them
 DTYPES_WITHOUT_CPU_PRODUCTS = dtypes_without_cpu_products()
@@ -26,11 +32,15 @@ MIN_FP32_ROWS = 4
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same checkpoints, ``isinstance`` of it) that multiplies a reduced-precision
-    input of at least :data:`MIN_FP32_ROWS` rows in fp32 on a CPU without products in its dtype: with its weight
-    copied to fp32, or, for int8 weight-only codes (torchao's, :func:`hybridlm.model.quantize_weights`),
-    dequantized to fp32 (their own product multiplies in the input's dtype, as slow there)."""
+    input on a CPU without products in its dtype through the kernel (few rows) or in fp32 (at least
+    :data:`MIN_FP32_ROWS` rows): with its weight copied to fp32, or, for int8 weight-only codes (torchao's,
+    :func:`hybridlm.model.quantize_weights`), dequantized to fp32 (their own product multiplies in the input's
+    dtype, as slow there)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = kernel_linear(x, self.weight, self.bias)
+        if y is not None:
+            return y
         weight = _fp32_weight(self.weight, x) if _many_reduced_precision_rows_on_cpu(x) else None
         if weight is not None:
             bias = None if self.bias is None else self.bias.float()

@@ -8,7 +8,8 @@ to read per token, which is what decode on a CPU waits for. The compiled decode 
 (:class:`~hybridlm.decoding.decode_step.DecodeStep`) takes such a model as it takes a float one. Quantize a bf16
 model for speed there: inductor then multiplies the codes by the bf16 inputs in its weight-only GEMM (AVX-512 BF16
 or AMX; SmolLM2-135M's step 2.1x fp32's), where on an fp32 model its freezing folds ``codes * scale`` back into
-fp32 weights and the step is no faster than fp32's (docs/performance.md).
+fp32 weights and the step is no faster than fp32's (docs/performance.md). Eager, on a CPU without bf16 products,
+the codes of a decode step go to our kernel (:mod:`hybridlm.ops.cpu_linear`), which reads them as int8.
 
 A mixer that reads a projection's weight itself rather than calling the module (``Mixer.weights_read_directly``:
 MLA's latent attention absorbs ``kv_b_proj`` into its queries) cannot take codes there; such a model is refused

@@ -43,7 +43,7 @@ from hybridlm.ops.delta_rule import _check as check_delta_rule
 from hybridlm.ops.selective_scan import scan_shapes, skip_and_gate
 
 SOURCE_DIR = kernel_sources() / "cpu"
-SOURCES = ("scans.cpp", "conv.cpp")  # built into one library, with the headers beside them
+SOURCES = ("scans.cpp", "conv.cpp", "linear.cpp")  # built into one library, with the headers beside them
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 CACHE_ENV = "HYBRIDLM_KERNEL_CACHE"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -119,6 +119,8 @@ def load_library() -> ctypes.CDLL:
         for function in (library.ssd_scan_f32, library.selective_scan_f32, library.gated_delta_rule_f32,
                          library.causal_conv1d_f32):
             function.restype = None
+        library.linear_rows.argtypes = [_POINTER, _INT, _POINTER, _INT] + [_POINTER] * 4 + [_INT] * 4
+        library.linear_rows.restype = ctypes.c_int
         _library = library
     return _library
 
@@ -277,6 +279,43 @@ def causal_conv1d(
     load_library().causal_conv1d_f32(_pointer(x), x.stride(0), x.stride(2), *map(_pointer, (
         window, taps, bias, y, final)), batch, time, channels, width, activation == "silu", torch.get_num_threads())
     return y.transpose(1, 2), final
+
+
+#: the kinds linear_rows takes, as its C interface numbers them: inputs fp32 or bf16, weights bf16 or int8
+LINEAR_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                zero_point: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ ((weight - zero_point) * scale)^T + bias``, like ``x``: ``x [..., in]`` fp32 or bf16 on the CPU,
+    ``weight [out, in]`` bf16, or int8 codes with ``scale`` (fp32) and optionally ``zero_point`` (int8), each
+    ``[out]`` (or ``[out, 1]``); ``bias [out]`` of any float dtype. Summed in fp32, rounded once (``linear.cpp``).
+    Inference only (no gradient); :mod:`hybridlm.ops.cpu_linear` decides where it is the faster product."""
+    if weight.dim() != 2 or weight.shape[1] == 0 or x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError(f"linear_rows: weight {tuple(weight.shape)} on {weight.device}, x on {x.device}: it takes "
+                         "a 2-D weight with at least one input feature, both on the CPU")
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"linear_rows: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)}: x must "
+                         f"be fp32 or bf16 with {in_features} features")
+    codes = weight.dtype == torch.int8
+    if weight.dtype not in (torch.bfloat16, torch.int8) or codes != (scale is not None):
+        raise ValueError(f"linear_rows: weight {weight.dtype} with{'out' if scale is None else ''} a scale; it "
+                         "takes bf16 weights, or int8 codes with their scale")
+    extras = {"scale": scale, "zero_point": zero_point, "bias": bias}
+    for name, extra in extras.items():
+        if extra is not None and extra.numel() != out_features:
+            raise ValueError(f"linear_rows: {name} {tuple(extra.shape)} has not one entry per output "
+                             f"({out_features})")
+    x, weight = x.contiguous(), weight.contiguous()
+    scale, bias = (None if t is None else t.detach().float().contiguous() for t in (scale, bias))
+    zero_point = None if zero_point is None else zero_point.detach().to(torch.int8).contiguous()
+    y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
+    load_library().linear_rows(
+        x.data_ptr(), LINEAR_KINDS[x.dtype], weight.data_ptr(), LINEAR_KINDS[weight.dtype],
+        *map(_pointer, (scale, zero_point, bias, y)), x.numel() // in_features, in_features, out_features,
+        torch.get_num_threads())
+    return y
 
 
 def _time_major(x: torch.Tensor, name: str, batch: int, time: int, dstate: int) -> torch.Tensor:

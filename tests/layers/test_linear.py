@@ -1,5 +1,8 @@
 """``Linear``: a bf16/fp16 product of several rows on a CPU without products in that dtype runs in fp32 and is
-rounded once; everything else is ``nn.Linear``'s own product."""
+rounded once (past the few-row kernel, tested in tests/ops/test_cpu_linear.py); everything else is
+``nn.Linear``'s own product."""
+
+from unittest import mock
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ from torch import nn
 
 import hybridlm.layers.linear as linear
 from hybridlm.layers.linear import MIN_FP32_ROWS, Linear
+from hybridlm.ops import cpu_linear
 
 REDUCED = (torch.bfloat16, torch.float16)
 
@@ -66,10 +70,13 @@ def assert_rounded_once(got, reference, magnitudes, terms):
 
 
 def _without_products(layer, x, dtypes):
+    """``layer(x)`` on a CPU without products in ``dtypes``, the few-row kernel off (tests/ops/test_cpu_linear.py
+    tests it and where ``Linear`` calls it)."""
     previous = linear.DTYPES_WITHOUT_CPU_PRODUCTS
     linear.DTYPES_WITHOUT_CPU_PRODUCTS = frozenset(dtypes)
     try:
-        return layer(x)
+        with mock.patch.object(cpu_linear, "SERVES_THIS_CPU", False):
+            return layer(x)
     finally:
         linear.DTYPES_WITHOUT_CPU_PRODUCTS = previous
 

@@ -1,0 +1,68 @@
+"""Decode-step products with bf16 weights, or int8 weight-only codes, on a CPU without bf16 products (AVX2).
+
+There torch has no fast eager product for them: its bf16 product takes a slow path, and torchao's int8 codes are
+dequantized into a weight of the input's dtype first. :func:`hybridlm.ops.cpu_kernels.linear_rows`
+(``kernels/cpu/linear.cpp``) widens each weight vector to fp32 in registers as it is loaded, so a step reads the
+weights in their own width once and multiplies at fp32 speed. It serves steps of up to :data:`MAX_ROWS` rows
+(tokens); prefill products keep torch's (an fp32 copy of the weight into MKL, :mod:`hybridlm.layers.linear`).
+
+In a compiled graph it is the op ``torch.ops.hybridlm.cpu_linear``, called as one opaque kernel, and only for
+bf16 weights of several rows: inductor's own templates multiply int8 codes by bf16 inputs, and a bf16 weight by
+one row, as fast as the kernel without a call out of the graph (SmolLM2-135M's compiled step, 1 thread, kernel
+against inductor: bf16 batch 1 37.4 against 23.9 ms, int8 batch 16 187 against 150; bf16 batch 16 196 against
+257, docs/performance.md). Inference only: a product that needs gradients keeps torch's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridlm.ops import cpu_kernels
+from hybridlm.ops.cpu_features import dtypes_without_cpu_products
+
+#: the most rows (tokens of a step) the kernel serves; more are a prefill, for torch's products
+MAX_ROWS = 16
+#: whether this CPU lacks bf16 products and a C++ compiler can build the kernel (built on first use)
+SERVES_THIS_CPU = torch.bfloat16 in dtypes_without_cpu_products() and cpu_kernels.unavailable_reason() is None
+
+# Defined on the dispatcher directly: a ``torch.library.custom_op`` costs ~10 us more per call, a fifth of a small
+# product's time.
+_library = torch.library.Library("hybridlm", "FRAGMENT")
+_library.define("cpu_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? zero_point, Tensor? bias) -> Tensor")
+_library.impl("cpu_linear", cpu_kernels.linear_rows, "CPU")
+
+
+@torch.library.register_fake("hybridlm::cpu_linear")
+def _(x, weight, scale, zero_point, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` through the kernel where it serves the call (see the module docstring), else
+    None: the caller keeps its own product."""
+    if not (SERVES_THIS_CPU and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and 0 < x.numel() <= MAX_ROWS * x.shape[-1]):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    parts = _weight_parts(weight, x.dtype)
+    if parts is None:
+        return None
+    if not torch.compiler.is_compiling():
+        return cpu_kernels.linear_rows(x, *parts, bias)
+    if parts[1] is not None or x.numel() == x.shape[-1]:
+        return None  # int8 codes, or a single row: inductor's own weight-only and bf16 products are faster in a graph
+    return torch.ops.hybridlm.cpu_linear(x, *parts, bias)
+
+
+def _weight_parts(weight: torch.Tensor, dtype: torch.dtype) -> tuple | None:
+    """``(weight or codes, scale, zero_point)`` of a bf16 weight (for bf16 inputs) or of torchao's weight-only int8
+    codes with one scale per output row; None for any other weight."""
+    if type(weight) in (torch.Tensor, torch.nn.Parameter):
+        return (weight, None, None) if weight.dtype == torch.bfloat16 == dtype else None
+    codes, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
+    weight_only = getattr(weight, "act_quant_kwargs", True) is None and getattr(weight, "act_pre_scale", 1) is None
+    if (not weight_only or codes is None or codes.dtype != torch.int8 or codes.dim() != 2 or scale is None
+            or list(getattr(weight, "block_size", ())) != [1, codes.shape[1]]):
+        return None
+    return codes, scale, getattr(weight, "zero_point", None)

@@ -1,0 +1,209 @@
+// The linear layer of few rows (decode steps) with bf16 or int8 weights on the CPU, behind a plain C interface
+// (built with scans.cpp and conv.cpp by hybridlm/ops/cpu_kernels.py):
+//   y[m, n] = round(scale[n] * sum_k x[m, k] (w[n, k] - zero[n]) + bias[n])
+// w is nn.Linear's own layout [out_features, in_features], bf16, or int8 codes with one fp32 scale and one int8 zero
+// point per output row (torchao's weight-only int8: zero points are 0 when symmetric); x and y are fp32 or bf16 rows. Each weight vector is widened to fp32 in registers
+// as it is loaded and multiplied there, the sums kept in fp32 and the output rounded once. A CPU with no bf16 or
+// int8 products of its own (AVX2) has nothing faster in torch: its bf16 products take a slow path, and a copy of
+// the weights in fp32 reads and writes them all again each call. Reading the weights is what a decode step waits
+// for, and bf16 halves it, int8 quarters it.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 8;   // fp32 lanes of one vector (AVX2's 256 bits; the compiler splits or joins as it must)
+typedef float Floats __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t Words __attribute__((vector_size(kLanes * 4)));
+typedef int8_t Bytes __attribute__((vector_size(kLanes)));
+
+enum Kind : int { kFloat32 = 0, kBfloat16 = 1, kInt8 = 2 };
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t word = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &word, 4);
+  return f;
+}
+
+// Round to nearest even, as torch rounds fp32 to bf16 (a NaN stays a NaN).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t word;
+  std::memcpy(&word, &f, 4);
+  if ((word & 0x7fffffffu) > 0x7f800000u) return uint16_t((word >> 16) | 0x40);
+  return uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+}
+
+inline Floats load_floats(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// kLanes weights from p, widened to fp32.
+template <int W>
+inline Floats load_weights(const void* p) {
+#if defined(__AVX2__)
+  if constexpr (W == kBfloat16) {
+    const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+    return (Floats)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (W == kInt8) {
+    const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+    return (Floats)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  }
+#endif
+  if constexpr (W == kFloat32) {
+    return load_floats(static_cast<const float*>(p));
+  } else if constexpr (W == kBfloat16) {
+    Halves h;
+    std::memcpy(&h, p, sizeof h);
+    return (Floats)(__builtin_convertvector(h, Words) << 16);
+  } else {
+    Bytes b;
+    std::memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, Floats);
+  }
+}
+
+template <int W>
+inline float weight_at(const void* w, int64_t i) {
+  if constexpr (W == kFloat32) return static_cast<const float*>(w)[i];
+  else if constexpr (W == kBfloat16) return bf16_to_float(static_cast<const uint16_t*>(w)[i]);
+  else return float(static_cast<const int8_t*>(w)[i]);
+}
+
+inline float lane_sum(Floats v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+constexpr int64_t item_size(int W) { return W == kFloat32 ? 4 : W == kBfloat16 ? 2 : 1; }
+
+struct LinearArgs {
+  const float* x;      // [rows, in] fp32 (bf16 inputs widened before)
+  const void* w;       // [out, in], bf16 or int8
+  const float* scale;  // [out], or null: 1
+  const int8_t* zero;  // [out], or null: 0
+  const float* x_sums; // [rows]: sum_k x[m, k], where zero is given
+  const float* bias;   // [out], or null: 0
+  void* y;             // [rows, out], fp32 or bf16
+  int64_t rows, in, out;
+  bool y_bf16;
+};
+
+inline void store(const LinearArgs& a, int64_t m, int64_t n, float sum) {
+  if (a.zero) sum -= float(a.zero[n]) * a.x_sums[m];
+  float v = a.scale ? sum * a.scale[n] : sum;
+  if (a.bias) v += a.bias[n];
+  if (a.y_bf16) static_cast<uint16_t*>(a.y)[m * a.out + n] = float_to_bf16(v);
+  else static_cast<float*>(a.y)[m * a.out + n] = v;
+}
+
+// Input rows [m0, m0 + R) against the O weight rows at `w` (of kind W, rows `in` apart; their first is output
+// n0): R x O dot products along `in`, kLanes at a time, each weight vector widened once for the R rows.
+template <int W, int R, int O>
+void block(const LinearArgs& a, const void* w, int64_t m0, int64_t n0) {
+  const int64_t K = a.in, whole = K - K % kLanes;
+  const char* wb = static_cast<const char*>(w);
+  Floats acc[R][O] = {};
+  for (int64_t k = 0; k < whole; k += kLanes) {
+    Floats wv[O];
+    for (int j = 0; j < O; ++j) wv[j] = load_weights<W>(wb + (j * K + k) * item_size(W));
+    for (int r = 0; r < R; ++r) {
+      const Floats xv = load_floats(a.x + (m0 + r) * K + k);
+      for (int j = 0; j < O; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < O; ++j) {
+      float sum = lane_sum(acc[r][j]);
+      for (int64_t k = whole; k < K; ++k) sum += a.x[(m0 + r) * K + k] * weight_at<W>(w, j * K + k);
+      store(a, m0 + r, n0 + j, sum);
+    }
+}
+
+// All input rows against O weight rows (outputs n0...), R rows at a time, then the remaining 1-2 rows.
+template <int W, int R, int O>
+void rows_against(const LinearArgs& a, const void* w, int64_t n0) {
+  int64_t m = 0;
+  for (; m + R <= a.rows; m += R) block<W, R, O>(a, w, m, n0);
+  for (; m + 2 <= a.rows; m += 2) block<W, 2, O>(a, w, m, n0);
+  for (; m < a.rows; ++m) block<W, 1, O>(a, w, m, n0);
+}
+
+// Up to kDirectRows input rows multiply the weights as they are loaded; more rows multiply an fp32 copy of each
+// block of weight rows (widened once into `scratch`, which stays in the L1/L2 cache), so that the widening is not
+// repeated for every few rows.
+constexpr int64_t kDirectRows = 3;
+
+template <int W, int O>
+void outputs(const LinearArgs& a, int64_t n0, std::vector<float>& scratch) {
+  const char* w = static_cast<const char*>(a.w) + n0 * a.in * item_size(W);
+  if (a.rows <= kDirectRows) return rows_against<W, 3, O>(a, w, n0);
+  const int64_t count = O * a.in, whole = count - count % kLanes;
+  scratch.resize(count);
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const Floats v = load_weights<W>(w + i * item_size(W));
+    std::memcpy(scratch.data() + i, &v, sizeof v);
+  }
+  for (int64_t i = whole; i < count; ++i) scratch[i] = weight_at<W>(w, i);
+  rows_against<kFloat32, 4, O>(a, scratch.data(), n0);
+}
+
+template <int W>
+void linear(const LinearArgs& a, int threads) {
+  constexpr int O = 3;  // weight rows of a block: with 4 input rows, 12 accumulators, 3 weights, 1 input vector
+  const int64_t blocks = (a.out + O - 1) / O;
+  // Threads split the weight rows (each is read from memory once); a second thread from 2^16 weights per thread.
+  const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(threads, a.out * a.in >> 16));
+#pragma omp parallel num_threads(useful)
+  {
+    std::vector<float> scratch;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t n0 = b * O;
+      if (n0 + O <= a.out) outputs<W, O>(a, n0, scratch);
+      else
+        for (int64_t n = n0; n < a.out; ++n) outputs<W, 1>(a, n, scratch);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [rows, in] of x_kind (fp32 or bf16), rows contiguous; w: [out, in] of w_kind (bf16 or int8); scale, bias:
+// [out] fp32 or null; zero: [out] int8 or null; y: [rows, out], of x's kind. Returns 0, or -1 for a kind it does
+// not take.
+int linear_rows(const void* x, int64_t x_kind, const void* w, int64_t w_kind, const float* scale,
+                const int8_t* zero, const float* bias, void* y, int64_t rows, int64_t in, int64_t out,
+                int64_t threads) {
+  if ((x_kind != kFloat32 && x_kind != kBfloat16) || (w_kind != kBfloat16 && w_kind != kInt8)) return -1;
+  std::vector<float> widened;
+  const float* xf = static_cast<const float*>(x);
+  if (x_kind == kBfloat16) {
+    widened.resize(rows * in);
+    const uint16_t* xh = static_cast<const uint16_t*>(x);
+    for (int64_t i = 0; i < rows * in; ++i) widened[i] = bf16_to_float(xh[i]);
+    xf = widened.data();
+  }
+  std::vector<float> x_sums(zero ? rows : 0);
+  for (int64_t m = 0; m < int64_t(x_sums.size()); ++m)
+    for (int64_t k = 0; k < in; ++k) x_sums[m] += xf[m * in + k];
+  const LinearArgs args{xf, w, scale, zero, x_sums.data(), bias, y, rows, in, out, x_kind == kBfloat16};
+  if (w_kind == kBfloat16) linear<kBfloat16>(args, int(threads));
+  else linear<kInt8>(args, int(threads));
+  return 0;
+}
+
+}  // extern "C"
