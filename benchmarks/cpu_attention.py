@@ -1,6 +1,8 @@
 """A bf16 decode attention on the CPU without AMX (``hybridlm.ops.attention._fp32_grouped_attention``): its keys and
 values copied to fp32 whole against in pieces of ``FP32_KEY_CHUNK`` keys (what it does now), and an fp32 model's
-attention over an fp32 cache (SDPA) as the reference, eager and compiled.
+attention over an fp32 cache (SDPA) as the reference, eager and compiled; and our kernel, which reads the bf16
+keys and values without copies (``hybridlm.ops.cpu_kernels.grouped_attention``, which ``attention_ref`` calls first
+where a compiler builds it), called directly and as its op in a compiled function.
 
 SmolLM2-135M's heads (9 query heads over 3 key/value heads of 64, one query per row) at each ``--batches`` x
 ``--keys``; every variant takes turns call by call after a warm-up call, and the script prints min / median ms and
@@ -23,6 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 attention = importlib.import_module("hybridlm.ops.attention")
+cpu_attention = importlib.import_module("hybridlm.ops.cpu_attention")
+cpu_kernels = importlib.import_module("hybridlm.ops.cpu_kernels")
 
 Q_HEADS, KV_HEADS, DIM = 9, 3, 64
 WHOLE = 1 << 40  # a piece longer than any cache: the whole copy
@@ -44,11 +48,16 @@ def variants(batch: int, keys: int) -> dict:
 
     # one compiled function: its guard on FP32_KEY_CHUNK picks the whole or the pieces graph
     compiled, compiled_fp32 = torch.compile(written_out, dynamic=False), torch.compile(fp32_sdpa, dynamic=False)
-    return {"eager whole": (WHOLE, lambda: written_out(q, k, v)),
-            "eager pieces": (attention.FP32_KEY_CHUNK, lambda: written_out(q, k, v)),
-            "compiled whole": (WHOLE, lambda: compiled(q, k, v)),
-            "compiled pieces": (attention.FP32_KEY_CHUNK, lambda: compiled(q, k, v)),
-            "fp32 cache, compiled": (attention.FP32_KEY_CHUNK, lambda: compiled_fp32(q32, k32, v32))}
+    calls = {"eager whole": (WHOLE, lambda: written_out(q, k, v)),
+             "eager pieces": (attention.FP32_KEY_CHUNK, lambda: written_out(q, k, v)),
+             "compiled whole": (WHOLE, lambda: compiled(q, k, v)),
+             "compiled pieces": (attention.FP32_KEY_CHUNK, lambda: compiled(q, k, v)),
+             "fp32 cache, compiled": (attention.FP32_KEY_CHUNK, lambda: compiled_fp32(q32, k32, v32))}
+    if cpu_attention.KERNEL_AVAILABLE:
+        op = torch.compile(lambda q, k, v: torch.ops.hybridlm.cpu_attention(q, k, v, None, None), dynamic=False)
+        calls["kernel"] = (attention.FP32_KEY_CHUNK, lambda: cpu_kernels.grouped_attention(q, k, v))
+        calls["kernel, compiled"] = (attention.FP32_KEY_CHUNK, lambda: op(q, k, v))
+    return calls
 
 
 def main() -> None:
@@ -78,7 +87,10 @@ def main() -> None:
             print(f"batch {batch}, {keys} keys: {cells}; whole / pieces (medians): eager "
                   f"{median['eager whole'] / median['eager pieces']:.2f}, compiled "
                   f"{median['compiled whole'] / median['compiled pieces']:.2f}; compiled pieces / fp32 cache "
-                  f"{median['compiled pieces'] / median['fp32 cache, compiled']:.2f}", flush=True)
+                  f"{median['compiled pieces'] / median['fp32 cache, compiled']:.2f}" + (
+                      f"; eager pieces / kernel {median['eager pieces'] / median['kernel']:.2f}, compiled pieces / "
+                      f"kernel compiled {median['compiled pieces'] / median['kernel, compiled']:.2f}"
+                      if "kernel" in median else ""), flush=True)
 
 
 if __name__ == "__main__":

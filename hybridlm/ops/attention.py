@@ -1,6 +1,7 @@
 """Softmax attention with grouped key/value heads: PyTorch's SDPA on every device, except a few fp16 queries on
 the CPU, or bf16 ones on a CPU without AMX-BF16, written out in fp32 (:func:`_fp32_grouped_attention`:
-fp32 arithmetic rounded once, several times faster there)."""
+fp32 arithmetic rounded once, several times faster there; bf16 ones by our kernel,
+:mod:`hybridlm.ops.cpu_attention`, which makes no fp32 copies of the keys and values)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from hybridlm.ops.cpu_attention import kernel_attention
 from hybridlm.ops.cpu_features import cpu_has_amx_bf16
 
 
@@ -37,7 +39,8 @@ def attention_ref(
         raise ValueError(f"attention: causal=True needs as many queries as keys (got {q.shape[2]} and {k.shape[2]}); "
                          "pass a mask for queries that continue after cached keys")
     if not causal and _few_reduced_precision_queries_on_cpu(q, k):
-        return _fp32_grouped_attention(q, k, v, mask, scale)
+        out = kernel_attention(q, k, v, mask, scale)  # bf16 keys and values, without fp32 copies of them
+        return out if out is not None else _fp32_grouped_attention(q, k, v, mask, scale)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )

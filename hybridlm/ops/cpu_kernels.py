@@ -43,7 +43,8 @@ from hybridlm.ops.delta_rule import _check as check_delta_rule
 from hybridlm.ops.selective_scan import scan_shapes, skip_and_gate
 
 SOURCE_DIR = kernel_sources() / "cpu"
-SOURCES = ("scans.cpp", "conv.cpp", "linear.cpp")  # built into one library, with the headers beside them
+#: built into one library, with the headers beside them
+SOURCES = ("scans.cpp", "conv.cpp", "linear.cpp", "attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 CACHE_ENV = "HYBRIDLM_KERNEL_CACHE"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -121,6 +122,8 @@ def load_library() -> ctypes.CDLL:
             function.restype = None
         library.linear_rows.argtypes = [_POINTER, _INT, _POINTER, _INT] + [_POINTER] * 4 + [_INT] * 4
         library.linear_rows.restype = ctypes.c_int
+        library.grouped_attention_bf16.argtypes = [_POINTER] * 5 + [_INT] * 7 + [_POINTER, ctypes.c_float, _INT]
+        library.grouped_attention_bf16.restype = None
         _library = library
     return _library
 
@@ -350,3 +353,39 @@ def _check_servable(*tensors: torch.Tensor | None) -> None:
         raise Declined("the CPU scan computes in fp32: float64 inputs keep the reference")
     if present[0].numel() == 0:
         raise Declined("an empty sequence")
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    """Softmax attention in fp32 over bf16 keys and values, rounded once to ``q``'s dtype
+    (``kernels/cpu/attention.cpp``; :func:`hybridlm.ops.attention.attention_ref` without ``causal`` or
+    ``seq_idx``): ``q [batch, q_heads, q_len, dim]``, ``k [batch, kv_heads, slots, dim]`` and ``v [..., dim_v]``
+    bf16 with contiguous rows (a static cache's views as they are), ``mask`` boolean, broadcastable to ``[batch,
+    q_heads, q_len, slots]``, True where a query may attend. Inference only (no gradient); meant for decode steps,
+    where ``q_heads / kv_heads * q_len`` rows share each key and value read."""
+    batch, q_heads, q_len, dim = q.shape
+    if (k.dim() != 4 or k.shape[:2] != v.shape[:2] or k.shape[0] != batch or k.shape[2] != v.shape[2]
+            or k.shape[3] != dim or q_heads % k.shape[1]):
+        raise ValueError(f"grouped_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: it takes "
+                         "q [batch, q_heads, q_len, dim], k [batch, kv_heads, slots, dim], v [batch, kv_heads, "
+                         "slots, dim_v], kv_heads dividing q_heads")
+    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError(f"grouped_attention: k {k.dtype}, v {v.dtype}: it takes bf16 keys and values whose rows "
+                         "are contiguous")
+    if any(t.device.type != "cpu" for t in (q, k, v)):
+        raise ValueError("grouped_attention: q, k and v must be on the CPU")
+    kv_heads, slots, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    group = q_heads // kv_heads
+    queries = q.float().reshape(batch, kv_heads, group * q_len, dim).contiguous()
+    mask_strides = (0, 0, 0, 0)
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise ValueError(f"grouped_attention: mask {mask.dtype}; it takes a boolean mask (True: attend)")
+        mask = mask.expand(batch, q_heads, q_len, slots)  # a view: broadcast dimensions have stride 0
+        mask_strides = mask.stride()
+    out = torch.empty(batch, kv_heads, group * q_len, dim_v)
+    strides = (ctypes.c_int64 * 10)(*k.stride()[:3], *v.stride()[:3], *mask_strides)
+    load_library().grouped_attention_bf16(
+        *map(_pointer, (queries, k, v, mask, out)), batch, kv_heads, group, q_len, slots, dim, dim_v, strides,
+        dim ** -0.5 if scale is None else scale, torch.get_num_threads())
+    return out.reshape(batch, q_heads, q_len, dim_v).to(q.dtype)

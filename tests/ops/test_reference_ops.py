@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hybridlm.ops.ssd as ssd_module
-from hybridlm.ops import cpu_features
+from hybridlm.ops import cpu_attention, cpu_features, cpu_kernels
 from hybridlm.ops.attention import attention_ref
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref, causal_conv1d_update_ref
 from hybridlm.ops.compressed_attention import causal_compressed_attention_ref
@@ -425,13 +425,14 @@ def test_attention_ref_gqa_and_mask_match_softmax():
 
 @given(q_heads_per_kv=st.sampled_from([1, 3]), queries=st.sampled_from([1, 2, 5]),
        mask_kind=st.sampled_from(["none", "shared", "per_head"]), dtype=st.sampled_from(["bfloat16", "float16"]),
-       key_chunk=st.sampled_from([1024, 8, 1]), seed=st.integers(0, 2**16))
+       key_chunk=st.sampled_from([1024, 8, 1]), kernel=st.booleans(), seed=st.integers(0, 2**16))
 def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_heads_per_kv, queries, mask_kind,
-                                                                              dtype, key_chunk, seed):
+                                                                              dtype, key_chunk, kernel, seed):
     """A CPU fp16 attention of a few queries, or a bf16 one without AMX-BF16, is written out in fp32
     (SDPA's CPU kernel is several times slower there): it is the exact attention of the same inputs rounded once
     to the model dtype, whether the keys are copied to fp32 whole or in pieces (37 keys: 1 piece, 5 pieces of 8,
-    or at most ``MAX_KEY_CHUNKS`` = 4 pieces of 10). Both cases are forced here, whatever this CPU has."""
+    or at most ``MAX_KEY_CHUNKS`` = 4 pieces of 10), or, in bf16, read by our kernel (``kernel``, where a compiler
+    builds it) without copies. Both cases are forced here, whatever this CPU has."""
     from hybridlm.ops.attention import FEW_QUERY_ROWS
 
     dtype = getattr(torch, dtype)
@@ -448,6 +449,7 @@ def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_h
         patch.setattr(attention_module, "CPU_HAS_AMX_BF16", False)
         patch.setattr(attention_module, "FP32_KEY_CHUNK", key_chunk)
         patch.setattr(attention_module, "MAX_KEY_CHUNKS", 4)
+        patch.setattr(cpu_attention, "KERNEL_AVAILABLE", kernel and cpu_attention.KERNEL_AVAILABLE)
         out = attention_ref(q, k, v, mask=mask, scale=0.3)
     exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask, scale=0.3,
                                            enable_gqa=True)
@@ -465,7 +467,8 @@ def test_reduced_precision_decode_attention_on_cpu_is_fp32_sdpa_rounded_once(q_h
 @pytest.mark.parametrize("amx_bf16", [True, False])
 def test_cpu_decode_attention_takes_sdpa_only_where_its_kernel_is_fast(amx_bf16, monkeypatch):
     """With AMX-BF16, a bf16 decode attention is SDPA's own (bit for bit); fp16, and bf16 without
-    AMX-BF16, take the fp32 written-out attention, which differs from SDPA's rounding on these inputs."""
+    AMX-BF16, take the fp32 written-out attention, which differs from SDPA's rounding on these inputs (bf16: our
+    kernel where it is built, the written-out one where not)."""
     monkeypatch.setattr(attention_module, "CPU_HAS_AMX_BF16", amx_bf16)
     g = torch.Generator().manual_seed(1)
     for dtype in (torch.bfloat16, torch.float16):
@@ -475,6 +478,11 @@ def test_cpu_decode_attention_takes_sdpa_only_where_its_kernel_is_fast(amx_bf16,
         fp32 = attention_module._fp32_grouped_attention(q, k, v, None, None)
         assert not torch.equal(sdpa, fp32)  # the inputs tell the two apart
         expected = sdpa if dtype == torch.bfloat16 and amx_bf16 else fp32
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_attention, "KERNEL_AVAILABLE", False)
+            assert torch.equal(attention_ref(q, k, v), expected)
+        if dtype == torch.bfloat16 and not amx_bf16 and cpu_attention.KERNEL_AVAILABLE:
+            expected = cpu_kernels.grouped_attention(q, k, v)
         assert torch.equal(attention_ref(q, k, v), expected)
 
 
