@@ -363,9 +363,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     bf16 with contiguous rows (a static cache's views as they are), ``mask`` boolean, broadcastable to ``[batch,
     q_heads, q_len, slots]``, True where a query may attend. Inference only (no gradient); meant for decode steps,
     where ``q_heads / kv_heads * q_len`` rows share each key and value read."""
-    batch, q_heads, q_len, dim = q.shape
-    if (k.dim() != 4 or k.shape[:2] != v.shape[:2] or k.shape[0] != batch or k.shape[2] != v.shape[2]
-            or k.shape[3] != dim or q_heads % k.shape[1]):
+    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0]
+            or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]):
         raise ValueError(f"grouped_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: it takes "
                          "q [batch, q_heads, q_len, dim], k [batch, kv_heads, slots, dim], v [batch, kv_heads, "
                          "slots, dim_v], kv_heads dividing q_heads")
@@ -374,7 +373,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
                          "are contiguous")
     if any(t.device.type != "cpu" for t in (q, k, v)):
         raise ValueError("grouped_attention: q, k and v must be on the CPU")
-    kv_heads, slots, dim_v = k.shape[1], k.shape[2], v.shape[3]
+    (batch, q_heads, q_len, dim), (kv_heads, slots, dim_v) = q.shape, v.shape[1:]
     group = q_heads // kv_heads
     queries = q.float().reshape(batch, kv_heads, group * q_len, dim).contiguous()
     mask_strides = (0, 0, 0, 0)

@@ -97,6 +97,7 @@ def test_threads_give_the_same_bits():
 
 @pytest.mark.parametrize("case, message", [
     ("heads", "kv_heads dividing q_heads"),
+    ("3-D query", "kv_heads dividing q_heads"),
     ("dim", "kv_heads dividing q_heads"),
     ("fp32 keys", "takes bf16 keys and values"),
     ("strided rows", "rows are contiguous"),
@@ -108,6 +109,8 @@ def test_errors_name_the_problem(case, message):
     mask = None
     if case == "heads":
         q = torch.randn(1, 3, 1, 8).bfloat16()
+    elif case == "3-D query":
+        q = q[0]
     elif case == "dim":
         k = torch.randn(1, 2, 6, 4).bfloat16()
     elif case == "fp32 keys":
