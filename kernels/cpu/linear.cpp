@@ -1,12 +1,13 @@
 // The linear layer of few rows (decode steps) with bf16 or int8 weights on the CPU, behind a plain C interface
-// (built with scans.cpp and conv.cpp by hybridlm/ops/cpu_kernels.py):
+// (built with the other kernels here by hybridlm/ops/cpu_kernels.py):
 //   y[m, n] = round(scale[n] * sum_k x[m, k] (w[n, k] - zero[n]) + bias[n])
-// w is nn.Linear's own layout [out_features, in_features], bf16, or int8 codes with one fp32 scale and one int8 zero
-// point per output row (torchao's weight-only int8: zero points are 0 when symmetric); x and y are fp32 or bf16 rows. Each weight vector is widened to fp32 in registers
-// as it is loaded and multiplied there, the sums kept in fp32 and the output rounded once. A CPU with no bf16 or
-// int8 products of its own (AVX2) has nothing faster in torch: its bf16 products take a slow path, and a copy of
-// the weights in fp32 reads and writes them all again each call. Reading the weights is what a decode step waits
-// for, and bf16 halves it, int8 quarters it.
+// w is nn.Linear's own layout [out_features, in_features], bf16, or int8 codes with one fp32 scale and one int8
+// zero point per output row (torchao's weight-only int8: zero points are 0 when symmetric); x and y are fp32 or
+// bf16 rows. Each weight vector is widened to fp32 in registers as it is loaded and multiplied there, the sums
+// kept in fp32 and the output rounded once. A CPU with no bf16 or int8 products of its own (AVX2) has nothing
+// faster in torch's eager products: its bf16 products take a slow path, and a copy of the weights in fp32 reads
+// and writes them all again each call. Reading the weights is what a decode step waits for, and bf16 halves it,
+// int8 quarters it.
 
 #include <algorithm>
 #include <cstdint>
