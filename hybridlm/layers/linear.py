@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridlm.ops.cpu_features import dtypes_without_cpu_products
-from hybridlm.ops.cpu_linear import kernel_linear
+from hybridlm.ops.cpu_linear import kernel_linear, weight_only_codes
 
 #: bf16 / fp16, where this CPU has no products of its own in them
 DTYPES_WITHOUT_CPU_PRODUCTS = dtypes_without_cpu_products()
@@ -59,5 +59,4 @@ def _fp32_weight(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
     for any other tensor subclass (e.g. codes that quantize the input too), which keeps its own product."""
     if type(weight.data) is torch.Tensor:
         return weight.float() if weight.dtype == x.dtype else None
-    weight_only = getattr(weight, "act_quant_kwargs", True) is None and getattr(weight, "act_pre_scale", 1) is None
-    return weight.dequantize(torch.float32) if weight_only and hasattr(weight, "dequantize") else None
+    return weight.dequantize(torch.float32) if weight_only_codes(weight) and hasattr(weight, "dequantize") else None

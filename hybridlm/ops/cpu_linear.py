@@ -61,8 +61,13 @@ def _weight_parts(weight: torch.Tensor, dtype: torch.dtype) -> tuple | None:
     if type(weight) in (torch.Tensor, torch.nn.Parameter):
         return (weight, None, None) if weight.dtype == torch.bfloat16 == dtype else None
     codes, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
-    weight_only = getattr(weight, "act_quant_kwargs", True) is None and getattr(weight, "act_pre_scale", 1) is None
-    if (not weight_only or codes is None or codes.dtype != torch.int8 or codes.dim() != 2 or scale is None
+    if (not weight_only_codes(weight) or codes is None or codes.dtype != torch.int8 or codes.dim() != 2 or scale is None
             or list(getattr(weight, "block_size", ())) != [1, codes.shape[1]]):
         return None
     return codes, scale, getattr(weight, "zero_point", None)
+
+
+def weight_only_codes(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a quantized tensor subclass (torchao's) that quantizes only the weight: its product
+    takes the input as it is, so the weight may be dequantized or read as codes without changing the result."""
+    return getattr(weight, "act_quant_kwargs", True) is None and getattr(weight, "act_pre_scale", 1) is None
