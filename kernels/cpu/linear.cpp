@@ -14,26 +14,17 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vectors.h"
 
 namespace {
 
-constexpr int kLanes = 8;   // fp32 lanes of one vector (AVX2's 256 bits; the compiler splits or joins as it must)
-typedef float Floats __attribute__((vector_size(kLanes * 4)));
-typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
-typedef uint32_t Words __attribute__((vector_size(kLanes * 4)));
+using hybridlm_cpu::bf16_to_float;
+using hybridlm_cpu::Floats;
+using hybridlm_cpu::kLanes;
+using hybridlm_cpu::load_floats;
 typedef int8_t Bytes __attribute__((vector_size(kLanes)));
 
 enum Kind : int { kFloat32 = 0, kBfloat16 = 1, kInt8 = 2 };
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t word = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &word, 4);
-  return f;
-}
 
 // Round to nearest even, as torch rounds fp32 to bf16 (a NaN stays a NaN).
 inline uint16_t float_to_bf16(float f) {
@@ -43,34 +34,22 @@ inline uint16_t float_to_bf16(float f) {
   return uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
 }
 
-inline Floats load_floats(const float* p) {
-  Floats v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 // kLanes weights from p, widened to fp32.
 template <int W>
 inline Floats load_weights(const void* p) {
-#if defined(__AVX2__)
-  if constexpr (W == kBfloat16) {
-    const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
-    return (Floats)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  } else if constexpr (W == kInt8) {
-    const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
-    return (Floats)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-  }
-#endif
   if constexpr (W == kFloat32) {
     return load_floats(static_cast<const float*>(p));
   } else if constexpr (W == kBfloat16) {
-    Halves h;
-    std::memcpy(&h, p, sizeof h);
-    return (Floats)(__builtin_convertvector(h, Words) << 16);
+    return hybridlm_cpu::load_bf16(p);
   } else {
+#if defined(__AVX2__)
+    const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+    return (Floats)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+#else
     Bytes b;
     std::memcpy(&b, p, sizeof b);
     return __builtin_convertvector(b, Floats);
+#endif
   }
 }
 

@@ -1,0 +1,47 @@
+// fp32 vectors of the CPU kernels (linear.cpp, attention.cpp), as GCC vector extensions: the compiler maps them
+// to AVX2 (or splits them for narrower units), with intrinsics only where a widening has no portable spelling as
+// fast.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace hybridlm_cpu {
+
+constexpr int kLanes = 8;  // fp32 lanes of one vector (AVX2's 256 bits)
+typedef float Floats __attribute__((vector_size(kLanes * 4)));
+typedef uint16_t Halves __attribute__((vector_size(kLanes * 2)));
+typedef uint32_t Words __attribute__((vector_size(kLanes * 4)));
+
+inline Floats load_floats(const float* p) {
+  Floats v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store_floats(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
+
+// kLanes bf16 values from p, widened to fp32 (exact: a bf16 is the top half of an fp32).
+inline Floats load_bf16(const void* p) {
+#if defined(__AVX2__)
+  const __m128i h = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return (Floats)_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+  Halves h;
+  std::memcpy(&h, p, sizeof h);
+  return (Floats)(__builtin_convertvector(h, Words) << 16);
+#endif
+}
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t word = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &word, 4);
+  return f;
+}
+
+}  // namespace hybridlm_cpu
