@@ -4,8 +4,8 @@
 :func:`hybridlm.ops.attention.attention_ref` writes such steps out in fp32 (``_fp32_grouped_attention``), which
 copies the keys and values to fp32 on every call: at batch 16 over 320 slots, SmolLM2-135M's compiled step spent
 70 of its 216 ms in those copies and the cache update fused with them (1 thread, AVX2 EPYC, profiled). The kernel
-widens each key and value row as it reads it, for all the queries that share it, and skips the slots no query may
-attend to. It is the op ``torch.ops.hybridlm.cpu_attention`` in a compiled graph. Inference only.
+widens each key and value vector in registers as it reads it, scores 8 keys at a time, sums the values for 3
+queries at a time, and skips the slots no query may attend to. It is the op ``torch.ops.hybridlm.cpu_attention`` in a compiled graph. Inference only.
 """
 
 from __future__ import annotations
