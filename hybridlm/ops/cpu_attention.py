@@ -5,7 +5,8 @@
 copies the keys and values to fp32 on every call: at batch 16 over 320 slots, SmolLM2-135M's compiled step spent
 70 of its 216 ms in those copies and the cache update fused with them (1 thread, AVX2 EPYC, profiled). The kernel
 widens each key and value vector in registers as it reads it, scores 8 keys at a time, sums the values for 3
-queries at a time, and skips the slots no query may attend to. It is the op ``torch.ops.hybridlm.cpu_attention`` in a compiled graph. Inference only.
+queries at a time, and skips the slots no query may attend to. It is the op ``torch.ops.hybridlm.cpu_attention``
+(a C++ kernel: a compiled graph calls it without going back to Python), eager or compiled. Inference only.
 """
 
 from __future__ import annotations
@@ -17,15 +18,6 @@ from hybridlm.ops import cpu_kernels
 #: whether a C++ compiler can build the kernel here (built on first use)
 KERNEL_AVAILABLE = cpu_kernels.unavailable_reason() is None
 
-_library = torch.library.Library("hybridlm", "FRAGMENT")
-_library.define("cpu_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor")
-_library.impl("cpu_attention", cpu_kernels.grouped_attention, "CPU")
-
-
-@torch.library.register_fake("hybridlm::cpu_attention")
-def _(q, k, v, mask, scale):
-    return q.new_empty((*q.shape[:-1], v.shape[-1]))
-
 
 def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float | None) -> torch.Tensor | None:
@@ -36,6 +28,4 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         return None
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return None
-    if torch.compiler.is_compiling():
-        return torch.ops.hybridlm.cpu_attention(q, k, v, mask, scale)
-    return cpu_kernels.grouped_attention(q, k, v, mask, scale)
+    return torch.ops.hybridlm.cpu_attention(q, k, v, mask, scale) if cpu_kernels.torch_ops_ready() else None

@@ -30,6 +30,7 @@ import platform
 import shlex
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import torch
@@ -43,8 +44,10 @@ from hybridlm.ops.delta_rule import _check as check_delta_rule
 from hybridlm.ops.selective_scan import scan_shapes, skip_and_gate
 
 SOURCE_DIR = kernel_sources() / "cpu"
-#: built into one library, with the headers beside them
-SOURCES = ("scans.cpp", "conv.cpp", "linear.cpp", "attention.cpp")
+#: built into one plain C library (ctypes), with the headers beside them
+SOURCES = ("scans.cpp", "conv.cpp")
+#: built against torch's headers into the library of our dispatcher ops' CPU kernels (see load_torch_ops)
+TORCH_OPS_SOURCES = ("torch_ops.cpp", "linear.cpp", "attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 CACHE_ENV = "HYBRIDLM_KERNEL_CACHE"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -72,7 +75,7 @@ def unavailable_reason() -> str | None:
         return "no C++ compiler (set CXX, or install g++ or clang++)"
     if shutil.which(command[0]) is None:
         return f"the C++ compiler {command[0]!r} (CXX) is not found"
-    missing = [str(SOURCE_DIR / name) for name in SOURCES if not (SOURCE_DIR / name).is_file()]
+    missing = [str(SOURCE_DIR / name) for name in SOURCES + TORCH_OPS_SOURCES if not (SOURCE_DIR / name).is_file()]
     if missing:
         return f"sources missing: {', '.join(missing)}"
     return None
@@ -88,14 +91,16 @@ def _cpu_identity() -> str:
     return "\n".join(sorted({line for line in info.splitlines() if line.startswith(("model name", "flags"))}))
 
 
-def library_path() -> Path:
-    """Where these sources (and headers), built by this compiler with these flags for this CPU, are cached."""
+def library_path(name: str = "cpu_kernels", flags: tuple[str, ...] | None = None) -> Path:
+    """Where library ``name`` of these sources (and headers), built by this compiler with ``flags`` (default
+    :data:`FLAGS`) for this CPU, is cached."""
+    flags = FLAGS if flags is None else flags
     cxx = compiler()
     version = subprocess.run([*cxx, "--version"], capture_output=True, text=True).stdout
     sources = [path.read_text() for path in sorted(SOURCE_DIR.iterdir()) if path.suffix in (".cpp", ".h")]
-    digest = hashlib.sha256("\0".join([*sources, *FLAGS, *cxx, version, _cpu_identity()]).encode())
+    digest = hashlib.sha256("\0".join([*sources, *flags, *cxx, version, _cpu_identity()]).encode())
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hybridlm" / "kernels")
-    return cache / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    return cache / f"{name}-{digest.hexdigest()[:16]}.so"
 
 
 def load_library() -> ctypes.CDLL:
@@ -108,7 +113,7 @@ def load_library() -> ctypes.CDLL:
             raise RuntimeError(f"hybridlm CPU kernels: {reason}")
         path = library_path()
         if not _intact(path):
-            _build(path)
+            _build(path, SOURCES, FLAGS)
         try:
             library = ctypes.CDLL(str(path))
         except OSError as error:
@@ -120,10 +125,6 @@ def load_library() -> ctypes.CDLL:
         for function in (library.ssd_scan_f32, library.selective_scan_f32, library.gated_delta_rule_f32,
                          library.causal_conv1d_f32):
             function.restype = None
-        library.linear_rows.argtypes = [_POINTER, _INT, _POINTER, _INT] + [_POINTER] * 4 + [_INT] * 4
-        library.linear_rows.restype = ctypes.c_int
-        library.grouped_attention_bf16.argtypes = [_POINTER] * 5 + [_INT] * 7 + [_POINTER, ctypes.c_float, _INT]
-        library.grouped_attention_bf16.restype = None
         _library = library
     return _library
 
@@ -140,19 +141,72 @@ def _intact(path: Path) -> bool:
         return False
 
 
-def _build(path: Path) -> None:
-    """Compile the source into ``path`` (written aside and renamed: concurrent builders each put a whole library
+def _build(path: Path, sources: tuple[str, ...], flags: tuple[str, ...]) -> None:
+    """Compile ``sources`` into ``path`` (written aside and renamed: concurrent builders each put a whole library
     in place), then its digest beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with written_aside(path) as temporary:
         cxx = compiler()
-        sources = [str(SOURCE_DIR / name) for name in SOURCES]
-        run = subprocess.run([*cxx, *FLAGS, "-o", str(temporary), *sources], capture_output=True, text=True)
+        files = [str(SOURCE_DIR / name) for name in sources]
+        # the flags after the sources: libraries (-l) link only what the sources before them need
+        run = subprocess.run([*cxx, *files, *flags, "-o", str(temporary)], capture_output=True, text=True)
         if run.returncode:
             raise RuntimeError(f"hybridlm CPU kernels: building {path} from {SOURCE_DIR} with {shlex.join(cxx)} "
                                f"failed:\n"
                                f"{(run.stderr or run.stdout).strip()}")
     write_file(_digest_file(path), sha256_of(path))
+
+
+def _torch_flags() -> tuple[str, ...]:
+    """FLAGS and what a library against torch's C++ API needs: its headers (C++20), its libraries found where they
+    are at run time, its C++ ABI."""
+    from torch.utils import cpp_extension
+
+    includes = tuple(f"-I{path}" for path in cpp_extension.include_paths())
+    libraries = tuple(arg for path in cpp_extension.library_paths() for arg in (f"-L{path}", f"-Wl,-rpath,{path}"))
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    return (*(flag for flag in FLAGS if not flag.startswith("-std")), "-std=c++20", abi, *includes, *libraries,
+            "-lc10", "-ltorch_cpu", "-ltorch")
+
+
+_torch_ops_loaded: bool | None = None
+
+
+def load_torch_ops() -> None:
+    """Register our ops' C++ CPU kernels with torch's dispatcher (``torch_ops.cpp``), building them on first use
+    (about 15 s: torch's headers) into the same cache; raises naming the file and the compiler's output. Their
+    schemas are defined below in Python; the kernels are C++ because a compiled graph calls them hundreds of times a
+    decode step, and a call into a Python kernel costs ~18 us more."""
+    global _torch_ops_loaded
+    if _torch_ops_loaded:
+        return
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"hybridlm CPU kernels: {reason}")
+    flags = _torch_flags()
+    path = library_path(f"torch_ops-{torch.__version__}", flags)  # built against this torch's headers
+    if not _intact(path):
+        _build(path, TORCH_OPS_SOURCES, flags)
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        raise RuntimeError(f"hybridlm CPU kernels: cannot load {path} ({error}); delete it to rebuild") from None
+    _torch_ops_loaded = True
+
+
+@torch.compiler.assume_constant_result
+def torch_ops_ready() -> bool:
+    """Whether our ops' C++ kernels are registered (loading them on the first call; a constant to a compiled
+    graph); a failure is reported once as a warning, and the callers keep torch's own paths."""
+    global _torch_ops_loaded
+    if _torch_ops_loaded is None:
+        try:
+            load_torch_ops()
+        except RuntimeError as error:
+            warnings.warn(f"{error}; hybridlm keeps torch's own products and attention for bf16 and int8 decode "
+                          "steps", stacklevel=2)
+            _torch_ops_loaded = False
+    return _torch_ops_loaded
 
 
 def _pointer(tensor: torch.Tensor | None):
@@ -284,8 +338,22 @@ def causal_conv1d(
     return y.transpose(1, 2), final
 
 
-#: the kinds linear_rows takes, as its C interface numbers them: inputs fp32 or bf16, weights bf16 or int8
-LINEAR_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+# Defined on the dispatcher directly: a ``torch.library.custom_op`` costs ~10 us more per call.
+_ops = torch.library.Library("hybridlm", "FRAGMENT")
+_ops.define("cpu_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? zero_point, Tensor? bias) -> Tensor")
+
+
+_ops.define("cpu_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor")
+
+
+@torch.library.register_fake("hybridlm::cpu_linear")
+def _(x, weight, scale, zero_point, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("hybridlm::cpu_attention")
+def _(q, k, v, mask, scale):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
@@ -293,32 +361,10 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     """``x @ ((weight - zero_point) * scale)^T + bias``, like ``x``: ``x [..., in]`` fp32 or bf16 on the CPU,
     ``weight [out, in]`` bf16, or int8 codes with ``scale`` (fp32) and optionally ``zero_point`` (int8), each
     ``[out]`` (or ``[out, 1]``); ``bias [out]`` of any float dtype. Summed in fp32, rounded once (``linear.cpp``).
-    Inference only (no gradient); :mod:`hybridlm.ops.cpu_linear` decides where it is the faster product."""
-    if weight.dim() != 2 or weight.shape[1] == 0 or x.device.type != "cpu" or weight.device.type != "cpu":
-        raise ValueError(f"linear_rows: weight {tuple(weight.shape)} on {weight.device}, x on {x.device}: it takes "
-                         "a 2-D weight with at least one input feature, both on the CPU")
-    out_features, in_features = weight.shape
-    if x.shape[-1] != in_features or x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"linear_rows: x {tuple(x.shape)} {x.dtype} against weight {tuple(weight.shape)}: x must "
-                         f"be fp32 or bf16 with {in_features} features")
-    codes = weight.dtype == torch.int8
-    if weight.dtype not in (torch.bfloat16, torch.int8) or codes != (scale is not None):
-        raise ValueError(f"linear_rows: weight {weight.dtype} with{'out' if scale is None else ''} a scale; it "
-                         "takes bf16 weights, or int8 codes with their scale")
-    extras = {"scale": scale, "zero_point": zero_point, "bias": bias}
-    for name, extra in extras.items():
-        if extra is not None and extra.numel() != out_features:
-            raise ValueError(f"linear_rows: {name} {tuple(extra.shape)} has not one entry per output "
-                             f"({out_features})")
-    x, weight = x.contiguous(), weight.contiguous()
-    scale, bias = (None if t is None else t.detach().float().contiguous() for t in (scale, bias))
-    zero_point = None if zero_point is None else zero_point.detach().to(torch.int8).contiguous()
-    y = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
-    load_library().linear_rows(
-        x.data_ptr(), LINEAR_KINDS[x.dtype], weight.data_ptr(), LINEAR_KINDS[weight.dtype],
-        *map(_pointer, (scale, zero_point, bias, y)), x.numel() // in_features, in_features, out_features,
-        torch.get_num_threads())
-    return y
+    The op ``torch.ops.hybridlm.cpu_linear``, whose C++ kernel this loads first. Inference only (no gradient);
+    :mod:`hybridlm.ops.cpu_linear` decides where it is the faster product."""
+    load_torch_ops()
+    return torch.ops.hybridlm.cpu_linear(x, weight, scale, zero_point, bias)
 
 
 def _time_major(x: torch.Tensor, name: str, batch: int, time: int, dstate: int) -> torch.Tensor:
@@ -362,29 +408,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     ``seq_idx``): ``q [batch, q_heads, q_len, dim]``, ``k [batch, kv_heads, slots, dim]`` and ``v [..., dim_v]``
     bf16 with contiguous rows (a static cache's views as they are), ``mask`` boolean, broadcastable to ``[batch,
     q_heads, q_len, slots]``, True where a query may attend. Inference only (no gradient); meant for decode steps,
-    where ``q_heads / kv_heads * q_len`` rows share each key and value read."""
-    if (q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or k.shape[0] != q.shape[0]
-            or k.shape[3] != q.shape[3] or q.shape[1] % k.shape[1]):
-        raise ValueError(f"grouped_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: it takes "
-                         "q [batch, q_heads, q_len, dim], k [batch, kv_heads, slots, dim], v [batch, kv_heads, "
-                         "slots, dim_v], kv_heads dividing q_heads")
-    if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.stride(-1) != 1 or v.stride(-1) != 1:
-        raise ValueError(f"grouped_attention: k {k.dtype}, v {v.dtype}: it takes bf16 keys and values whose rows "
-                         "are contiguous")
-    if any(t.device.type != "cpu" for t in (q, k, v)):
-        raise ValueError("grouped_attention: q, k and v must be on the CPU")
-    (batch, q_heads, q_len, dim), (kv_heads, slots, dim_v) = q.shape, v.shape[1:]
-    group = q_heads // kv_heads
-    queries = q.float().reshape(batch, kv_heads, group * q_len, dim).contiguous()
-    mask_strides = (0, 0, 0, 0)
-    if mask is not None:
-        if mask.dtype != torch.bool:
-            raise ValueError(f"grouped_attention: mask {mask.dtype}; it takes a boolean mask (True: attend)")
-        mask = mask.expand(batch, q_heads, q_len, slots)  # a view: broadcast dimensions have stride 0
-        mask_strides = mask.stride()
-    out = torch.empty(batch, kv_heads, group * q_len, dim_v)
-    strides = (ctypes.c_int64 * 10)(*k.stride()[:3], *v.stride()[:3], *mask_strides)
-    load_library().grouped_attention_bf16(
-        *map(_pointer, (queries, k, v, mask, out)), batch, kv_heads, group, q_len, slots, dim, dim_v, strides,
-        dim ** -0.5 if scale is None else scale, torch.get_num_threads())
-    return out.reshape(batch, q_heads, q_len, dim_v).to(q.dtype)
+    where ``q_heads / kv_heads * q_len`` rows share each key and value read. The op
+    ``torch.ops.hybridlm.cpu_attention``, whose C++ kernel this loads first."""
+    load_torch_ops()
+    return torch.ops.hybridlm.cpu_attention(q, k, v, mask, scale)

@@ -28,17 +28,6 @@ MAX_ROWS = 16
 #: whether this CPU lacks bf16 products and a C++ compiler can build the kernel (built on first use)
 SERVES_THIS_CPU = torch.bfloat16 in dtypes_without_cpu_products() and cpu_kernels.unavailable_reason() is None
 
-# Defined on the dispatcher directly: a ``torch.library.custom_op`` costs ~10 us more per call, a fifth of a small
-# product's time.
-_library = torch.library.Library("hybridlm", "FRAGMENT")
-_library.define("cpu_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? zero_point, Tensor? bias) -> Tensor")
-_library.impl("cpu_linear", cpu_kernels.linear_rows, "CPU")
-
-
-@torch.library.register_fake("hybridlm::cpu_linear")
-def _(x, weight, scale, zero_point, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` through the kernel where it serves the call (see the module docstring), else
@@ -49,10 +38,10 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
     parts = _weight_parts(weight, x.dtype)
-    if parts is None:
+    if parts is None or not cpu_kernels.torch_ops_ready():
         return None
     if not torch.compiler.is_compiling():
-        return cpu_kernels.linear_rows(x, *parts, bias)
+        return torch.ops.hybridlm.cpu_linear(x, *parts, bias)
     if parts[1] is not None or x.numel() == x.shape[-1]:
         return None  # int8 codes, or a single row: inductor's own weight-only and bf16 products are faster in a graph
     return torch.ops.hybridlm.cpu_linear(x, *parts, bias)

@@ -95,6 +95,20 @@ def test_threads_give_the_same_bits():
     assert torch.equal(one, two)
 
 
+def test_the_op_in_a_compiled_graph_gives_eager_bits():
+    """``torch.ops.hybridlm.cpu_attention`` (C++ kernel, fake shape in Python) passes torch's op checks, and a
+    graph that calls it gives the eager call's bits."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 6, 1, 16, generator=g).bfloat16()
+    k, v = cache_views(2, 3, 20, 16, 8, g)
+    mask = torch.rand(2, 1, 1, 20, generator=g) > 0.3
+    cpu_kernels.load_torch_ops()
+    torch.library.opcheck(torch.ops.hybridlm.cpu_attention, (q, k, v, mask, None))
+    compiled = torch.compile(lambda *args: torch.ops.hybridlm.cpu_attention(*args, 0.5), backend="aot_eager",
+                             fullgraph=True)
+    assert torch.equal(compiled(q, k, v, mask), cpu_kernels.grouped_attention(q, k, v, mask, 0.5))
+
+
 @pytest.mark.parametrize("case, message", [
     ("heads", "kv_heads dividing q_heads"),
     ("3-D query", "kv_heads dividing q_heads"),

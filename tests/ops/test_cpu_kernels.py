@@ -6,6 +6,7 @@ aside)."""
 from __future__ import annotations
 
 import math
+import re
 from unittest import mock
 
 import pytest
@@ -464,3 +465,31 @@ def test_a_failing_compiler_is_reported_with_its_output_and_leaves_no_file(fresh
     assert list(fresh_cache.iterdir()) == []
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     assert "not found" in cpu_kernels.unavailable_reason()
+
+
+def test_the_ops_library_is_named_by_torch_and_a_failed_build_leaves_torch_paths(fresh_cache, tmp_path_factory,
+                                                                                 monkeypatch):
+    """The dispatcher ops' C++ kernels (linear, attention) are a second library, built against this torch's
+    headers and named by its version; when it cannot be built the error names it, and the decode-step paths
+    warn once and keep torch's products and attention."""
+    from hybridlm.ops import cpu_attention, cpu_linear
+
+    script = tmp_path_factory.mktemp("bin") / "broken-cxx"
+    script.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1.0; exit 0; fi\n"
+                      "echo 'torch/library.h: No such file' >&2; exit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("CXX", str(script))
+    monkeypatch.setattr(cpu_kernels, "_torch_ops_loaded", None)
+    with pytest.raises(RuntimeError, match=rf"building .*torch_ops-{re.escape(torch.__version__)}-.*\.so .*"
+                                           r"broken-cxx failed:\n.*torch/library.h: No such file"):
+        cpu_kernels.load_torch_ops()
+    assert list(fresh_cache.iterdir()) == []
+    with pytest.warns(UserWarning, match="keeps torch's own products and attention"):
+        assert cpu_kernels.torch_ops_ready() is False
+    monkeypatch.setattr(cpu_linear, "SERVES_THIS_CPU", True)
+    monkeypatch.setattr(cpu_attention, "KERNEL_AVAILABLE", True)
+    x, weight = torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16()
+    kv = torch.randn(1, 1, 5, 8).bfloat16()
+    with torch.no_grad():
+        assert cpu_linear.kernel_linear(x, weight, None) is None
+        assert cpu_attention.kernel_attention(x.view(1, 1, 2, 8), kv, kv, None, None) is None
