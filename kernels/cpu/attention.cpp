@@ -118,21 +118,28 @@ struct Scratch {
 
 // One (batch row, key/value head): scores, their softmax, and the probability-weighted sum of the values.
 void attend(const AttentionArgs& a, int64_t b, int64_t h, Scratch& w) {
-  const int64_t unit = b * a.heads + h, rows = a.group * a.q_len, slots = a.slots;
+  const int64_t unit = b * a.heads + h, rows = a.group * a.q_len;
   const int64_t* st = a.strides;
   const float* q = a.q + unit * rows * a.dim;
   const uint16_t* k = a.k + b * st[0] + h * st[1];
   const uint16_t* v = a.v + b * st[3] + h * st[4];
   float* out = a.out + unit * rows * a.dim_v;
-  w.scores.assign(rows * slots, kMasked);
-  w.sums.assign(rows, 0.f);
   w.mask_rows.resize(rows);  // where row r's mask starts: query head h * group + r / q_len, query r % q_len
   for (int64_t r = 0; r < rows; ++r)
     w.mask_rows[r] = b * st[6] + (h * a.group + r / a.q_len) * st[7] + (r % a.q_len) * st[8];
   auto allowed = [&](int64_t r, int64_t s) { return !a.mask || a.mask[w.mask_rows[r] + s * st[9]]; };
-  w.seen.assign(slots, 0);  // slots some row may see: the only ones read
-  for (int64_t s = 0; s < slots; ++s)
-    for (int64_t r = 0; r < rows && !w.seen[s]; ++r) w.seen[s] = allowed(r, s);
+  w.seen.assign(a.slots, !a.mask);  // slots some row may see: the only ones read
+  for (int64_t r = 0; a.mask && r < rows; ++r) {
+    const auto first = w.mask_rows.begin();
+    if (std::find(first, first + r, w.mask_rows[r]) != first + r) continue;  // a mask row shared with an earlier row
+    for (int64_t s = 0; s < a.slots; ++s) w.seen[s] |= a.mask[w.mask_rows[r] + s * st[9]];
+  }
+  // Only up to the last slot seen from here on: a static cache's unfilled tail is often most of it (SmolLM2's
+  // step at 257 of 2,048 slots, 1 row: 103 against 35 us for a cache of 320).
+  int64_t slots = a.slots;
+  while (slots > 0 && !w.seen[slots - 1]) --slots;
+  w.scores.assign(rows * slots, kMasked);
+  w.sums.assign(rows, 0.f);
 
   for (int64_t s = 0; s < slots;) {  // scores [rows, slots]; masked ones stay -inf
     const bool block = s + kSlots <= slots && std::count(&w.seen[s], &w.seen[s + kSlots], 1) == kSlots;
