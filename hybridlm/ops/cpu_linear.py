@@ -6,14 +6,12 @@ dequantized into a weight of the input's dtype first. :func:`hybridlm.ops.cpu_ke
 weights in their own width once and multiplies at fp32 speed. It serves steps of up to :data:`MAX_ROWS` rows
 (tokens); prefill products keep torch's (an fp32 copy of the weight into MKL, :mod:`hybridlm.layers.linear`).
 
-In a compiled graph it is the op ``torch.ops.hybridlm.cpu_linear``, called as one opaque kernel, and only for
-bf16 weights of several rows: inductor's own templates multiply int8 codes by bf16 inputs, and a bf16 weight by
-one row, as fast as the kernel without a call out of the graph (SmolLM2-135M's compiled step, 1 thread, kernel
-against inductor: bf16 batch 1 37.4 against 23.9 ms, int8 batch 16 187 against 150; bf16 batch 16 196 against
-257, docs/performance.md). The rule held after the kernel's prefetch made it 1.3x faster (session 38, min of
-interleaved runs: bf16 batch 1 31.2 against 23.8, int8 batch 1 26.6 against 19.3, int8 batch 16 127.7 against
-108.3): a 64 x 64 product called out of a compiled graph through the op takes ~25 us, inductor's own ~7, and
-torchao's int8 products are ATen's own kernels. Inference only: a product that needs gradients keeps torch's.
+It is the op ``torch.ops.hybridlm.cpu_linear`` (a C++ kernel, :func:`hybridlm.ops.cpu_kernels.load_torch_ops`),
+eager and in a compiled graph; in a graph only for bf16 weights of several rows: inductor's own products take a
+bf16 weight by one row and torchao's int8 codes (ATen's int8 kernels) at least as fast. Measured on SmolLM2-135M's
+compiled step (1 thread, AVX2 EPYC, min of interleaved runs, kernel in the graph against inductor's product):
+bf16 batch 1 28.9 against 24.2 ms, int8 batch 1 18.6 against 17.6, int8 batch 16 118.4 against 103.6; bf16 batch
+16 196 against 257 (session 37, docs/performance.md). Inference only: a product that needs gradients keeps torch's.
 """
 
 from __future__ import annotations
