@@ -23,18 +23,13 @@ namespace {
 using hybridlm_cpu::bf16_to_float;
 using hybridlm_cpu::Floats;
 using hybridlm_cpu::kLanes;
+using hybridlm_cpu::lane_sum;
 using hybridlm_cpu::load_bf16;
 using hybridlm_cpu::load_floats;
 
 constexpr float kMasked = -std::numeric_limits<float>::infinity();
 // slots scored together, one accumulator each (see dots)
 constexpr int kSlots = 8;
-
-inline float lane_sum(Floats v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 // out[j] = q . keys[j] for the J bf16 key rows at `keys` (`stride` apart), each widened as it is loaded; one
 // accumulator per key so that the multiply-adds of a key do not wait on each other's latency (a lone dot of 64

@@ -21,6 +21,7 @@ namespace {
 using hybridlm_cpu::bf16_to_float;
 using hybridlm_cpu::Floats;
 using hybridlm_cpu::kLanes;
+using hybridlm_cpu::lane_sum;
 using hybridlm_cpu::load_floats;
 typedef int8_t Bytes __attribute__((vector_size(kLanes)));
 
@@ -58,12 +59,6 @@ inline float weight_at(const void* w, int64_t i) {
   if constexpr (W == kFloat32) return static_cast<const float*>(w)[i];
   else if constexpr (W == kBfloat16) return bf16_to_float(static_cast<const uint16_t*>(w)[i]);
   else return float(static_cast<const int8_t*>(w)[i]);
-}
-
-inline float lane_sum(Floats v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
 }
 
 constexpr int64_t item_size(int W) { return W == kFloat32 ? 4 : W == kBfloat16 ? 2 : 1; }

@@ -25,6 +25,13 @@ inline Floats load_floats(const float* p) {
 
 inline void store_floats(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
 
+// The sum of v's lanes, in lane order.
+inline float lane_sum(Floats v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
 // kLanes bf16 values from p, widened to fp32 (exact: a bf16 is the top half of an fp32).
 inline Floats load_bf16(const void* p) {
 #if defined(__AVX2__)
