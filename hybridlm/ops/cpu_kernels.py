@@ -180,9 +180,8 @@ _torch_ops_loaded: bool | None = None
 
 def load_torch_ops() -> None:
     """Register our ops' C++ CPU kernels with torch's dispatcher (``torch_ops.cpp``), building them on first use
-    (about 15 s: torch's headers) into the same cache; raises naming the file and the compiler's output. Their
-    schemas are defined below in Python; the kernels are C++ because a compiled graph calls them hundreds of times a
-    decode step, and a call into a Python kernel costs ~18 us more."""
+    (about 12 s: torch's headers) into the same cache; raises naming the file and the compiler's output. Their
+    schemas are defined below in Python (see the module docstring for why the kernels are C++)."""
     global _torch_ops_loaded
     if _torch_ops_loaded:
         return
@@ -347,8 +346,6 @@ def causal_conv1d(
 # Defined on the dispatcher directly: a ``torch.library.custom_op`` costs ~10 us more per call.
 _ops = torch.library.Library("hybridlm", "FRAGMENT")
 _ops.define("cpu_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? zero_point, Tensor? bias) -> Tensor")
-
-
 _ops.define("cpu_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor")
 
 

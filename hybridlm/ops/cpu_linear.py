@@ -38,9 +38,7 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     parts = _weight_parts(weight, x.dtype)
     if parts is None or not cpu_kernels.torch_ops_ready():
         return None
-    if not torch.compiler.is_compiling():
-        return torch.ops.hybridlm.cpu_linear(x, *parts, bias)
-    if parts[1] is not None or x.numel() == x.shape[-1]:
+    if torch.compiler.is_compiling() and (parts[1] is not None or x.numel() == x.shape[-1]):
         return None  # int8 codes, or a single row: inductor's own weight-only and bf16 products are faster in a graph
     return torch.ops.hybridlm.cpu_linear(x, *parts, bias)
 
