@@ -60,9 +60,11 @@ class DecodeStep:
     cannot take a product (weights that are graph inputs, e.g. inference tensors) the compile fails at that
     product; the step then compiles once more without templates (``gemm_templates`` turns False). ``mode="default"``
     never uses them; ``"max-autotune-no-cudagraphs"`` times templates against MKL for each shape and keeps the
-    faster, for a compile about twice as long again. A compiled step needs a static cache: with a growing one every
-    step would have new shapes and recompile. It runs ``HYBRIDLM_BACKEND``'s kernels (compiled code cannot read a
-    ``use_backend`` block, so it refuses to run inside one).
+    faster, for a compile about twice as long again. On a CPU without bf16 products (AVX2), bf16 weights and int8
+    weight-only codes go to our kernel instead, over weights the freezing packs once (:mod:`hybridlm.ops.cpu_linear`).
+    A compiled step needs a static cache: with a growing one every step would have new shapes and recompile. It
+    runs ``HYBRIDLM_BACKEND``'s kernels (compiled code cannot read a ``use_backend`` block, so it refuses to run
+    inside one).
 
     The compiled step is specialised to the model's weights and to each cache layout it meets, which is what
     makes a small model's step cheap (about 15% of a batch-1 step on CPU, ``benchmarks/decode_speed.py``):

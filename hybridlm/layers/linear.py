@@ -12,8 +12,9 @@ Measured on an AVX2 AMD EPYC, 1 thread, SmolLM2-135M's weights in bf16 (``benchm
 docs/performance.md): 1,536 x 576 took 878 us in bf16 against 634 us copied at 4 rows, 48.4 against 6.2 ms at
 256 rows (a prefill); at 3 rows the two were level (0.91-1.33x over three shapes), and at 1 row (a decode
 step) the copy of the weight costs more than it saves (576 x 1,536: 204 against 322 us). The kernel beats both
-below 16 rows and is level with the copy at 16. Compiled graphs are left to inductor, which picks its own
-products, but for the kernel's bf16 steps of several rows (``cpu_linear.kernel_linear``)."""
+below 16 rows and is level with the copy at 16. A compiled decode step (frozen weights) runs the kernel over
+weights packed once into a constant of the graph; a graph whose weights are inputs leaves single rows and int8
+codes to inductor's products (``cpu_linear.kernel_linear``)."""
 
 from __future__ import annotations
 

@@ -21,10 +21,10 @@ references run. It serves inference only: a call that needs gradients, packed se
 ``torch.compile``, is declined to the reference, as is a convolution of reduced-precision inputs.
 
 The decode-step linear and attention (``linear.cpp``, ``attention.cpp``) are instead the C++ kernels of the
-dispatcher ops ``torch.ops.hybridlm.cpu_linear`` and ``cpu_attention`` (``torch_ops.cpp``, built against torch's
-headers into a second library, about 12 s on first use, and loaded by :func:`load_torch_ops`; their schemas and
-fake kernels are defined here): a compiled decode step calls them hundreds of times, and a call into C++ from the
-graph costs ~7 us where one into a Python kernel costs ~25.
+dispatcher ops ``torch.ops.hybridlm.cpu_linear``, ``cpu_packed_linear`` and ``cpu_attention`` (``torch_ops.cpp``,
+built against torch's headers into a second library, about 12 s on first use, and loaded by :func:`load_torch_ops`;
+their schemas and fake kernels are defined here): a compiled decode step calls them hundreds of times, and a call
+into C++ from the graph costs ~7 us where one into a Python kernel costs ~25.
 """
 
 from __future__ import annotations
@@ -346,12 +346,19 @@ def causal_conv1d(
 # Defined on the dispatcher directly: a ``torch.library.custom_op`` costs ~10 us more per call.
 _ops = torch.library.Library("hybridlm", "FRAGMENT")
 _ops.define("cpu_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? zero_point, Tensor? bias) -> Tensor")
+_ops.define("cpu_packed_linear(Tensor x, Tensor packed, int out_features, Tensor? scale, Tensor? zero_point, "
+            "Tensor? bias) -> Tensor")
 _ops.define("cpu_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor")
 
 
 @torch.library.register_fake("hybridlm::cpu_linear")
 def _(x, weight, scale, zero_point, bias):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("hybridlm::cpu_packed_linear")
+def _(x, packed, out_features, scale, zero_point, bias):
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.register_fake("hybridlm::cpu_attention")
@@ -368,6 +375,30 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     :mod:`hybridlm.ops.cpu_linear` decides where it is the faster product."""
     load_torch_ops()
     return torch.ops.hybridlm.cpu_linear(x, weight, scale, zero_point, bias)
+
+
+#: outputs of a block of a packed weight (``linear.cpp``'s ``kPackedOutputs``)
+PACKED_OUTPUTS = 24
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` (bf16, or int8 codes) in blocks of :data:`PACKED_OUTPUTS` outputs, ``[ceil(out / 24),
+    in, 24]``, the outputs past ``out`` zero: the layout of ``cpu_packed_linear``, whose threads each read their
+    blocks as one stream. Plain tensor ops, so that inductor's freezing folds them into a constant of the graph
+    where the weight is one."""
+    out, features = weight.shape
+    blocks = -(-out // PACKED_OUTPUTS)
+    padded = F.pad(weight, (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 24, in]
+    return padded.view(blocks, PACKED_OUTPUTS, features).transpose(1, 2).contiguous()  # [blocks, in, 24]
+
+
+def packed_linear_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale: torch.Tensor | None = None,
+                       zero_point: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`linear_rows` over :func:`pack_linear_weight`'s ``packed`` weight of ``out_features`` outputs (the op
+    ``torch.ops.hybridlm.cpu_packed_linear``), the weights read as one stream. Each output is summed along ``in`` in
+    order, one fp32 lane per output, where linear_rows sums 8 strided partial sums: the two agree to rounding."""
+    load_torch_ops()
+    return torch.ops.hybridlm.cpu_packed_linear(x, packed, out_features, scale, zero_point, bias)
 
 
 def _time_major(x: torch.Tensor, name: str, batch: int, time: int, dstate: int) -> torch.Tensor:

@@ -6,12 +6,18 @@ dequantized into a weight of the input's dtype first. :func:`hybridlm.ops.cpu_ke
 weights in their own width once and multiplies at fp32 speed. It serves steps of up to :data:`MAX_ROWS` rows
 (tokens); prefill products keep torch's (an fp32 copy of the weight into MKL, :mod:`hybridlm.layers.linear`).
 
-It is the op ``torch.ops.hybridlm.cpu_linear`` (a C++ kernel, :func:`hybridlm.ops.cpu_kernels.load_torch_ops`),
-eager and in a compiled graph; in a graph only for bf16 weights of several rows: inductor's own products take a
-bf16 weight by one row and torchao's int8 codes (ATen's int8 kernels) at least as fast. Measured on SmolLM2-135M's
-compiled step (1 thread, AVX2 EPYC, min of interleaved runs, kernel in the graph against inductor's product):
-bf16 batch 1 28.9 against 24.2 ms, int8 batch 1 18.6 against 17.6, int8 batch 16 118.4 against 103.6; bf16 batch
-16 196 against 257 (session 37, docs/performance.md). Inference only: a product that needs gradients keeps torch's.
+Eager, it is the op ``torch.ops.hybridlm.cpu_linear`` over nn.Linear's layout. In a graph whose weights are
+constants (inductor's ``freezing``, as :class:`hybridlm.decoding.decode_step.DecodeStep` compiles), it is
+``cpu_packed_linear`` over the weights packed in blocks of 24 outputs (:func:`cpu_kernels.pack_linear_weight`),
+which freezing folds into a constant of the graph once: a thread reads its weights as one stream, and several
+rows share each weight vector from registers. That copy of the weights is held by each compiled graph (as
+inductor's own packed products are). Measured on SmolLM2-135M's compiled step (1 thread, AVX2 EPYC, min / median
+of interleaved runs, packed op against the rule before it: inductor's products for one row and int8 codes, the
+unpacked op for bf16 rows): bf16 batch 1 20.3 / 22.3 against 22.7 / 29.5 ms, batch 16 83.1 / 91.6 against
+128.4 / 144.0; int8 batch 1 16.5 / 19.2 against 17.1 / 22.1, batch 16 86.5 / 87.9 against 97.7 / 102.0. In a
+graph whose weights are inputs, a single row and int8 codes are left to inductor's products, which take a bf16
+weight by one row and torchao's codes (ATen's int8 kernels) at least as fast as the unpacked op. Inference only:
+a product that needs gradients keeps torch's.
 """
 
 from __future__ import annotations
@@ -38,9 +44,22 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     parts = _weight_parts(weight, x.dtype)
     if parts is None or not cpu_kernels.torch_ops_ready():
         return None
-    if torch.compiler.is_compiling() and (parts[1] is not None or x.numel() == x.shape[-1]):
-        return None  # int8 codes, or a single row: inductor's own weight-only and bf16 products are faster in a graph
+    if torch.compiler.is_compiling():
+        if _weights_are_constants():
+            packed = cpu_kernels.pack_linear_weight(parts[0])  # folded into a constant of the graph, once
+            return torch.ops.hybridlm.cpu_packed_linear(x, packed, parts[0].shape[0], *parts[1:], bias)
+        if parts[1] is not None or x.numel() == x.shape[-1]:
+            return None  # int8 codes, or a single row: inductor's own products are as fast as the unpacked op
     return torch.ops.hybridlm.cpu_linear(x, *parts, bias)
+
+
+@torch._dynamo.assume_constant_result
+def _weights_are_constants() -> bool:
+    """Whether the graph being compiled takes its weights as constants (inductor's ``freezing``, as
+    :class:`hybridlm.decoding.decode_step.DecodeStep` compiles): only then is their packing done once."""
+    from torch._inductor import config
+
+    return bool(config.freezing)
 
 
 def _weight_parts(weight: torch.Tensor, dtype: torch.dtype) -> tuple | None:

@@ -68,7 +68,7 @@ void weighted_values(const float* p, int64_t slots, const uint16_t* v, int64_t v
     Floats values[C];
     for (int i = 0; i < C; ++i) values[i] = load_bf16(v + s * v_stride + c + i * kLanes);
     for (int r = 0; r < R; ++r) {
-      const Floats weight = Floats{} + p[r * slots + s];
+      const Floats weight = hybridlm_cpu::broadcast(p[r * slots + s]);
       for (int i = 0; i < C; ++i) acc[r][i] += weight * values[i];
     }
   }

@@ -153,16 +153,57 @@ void linear(const LinearArgs& a, int threads) {
   }
 }
 
-}  // namespace
+// The same product over weights packed in blocks of kPackedOutputs outputs, [blocks, in, kPackedOutputs]
+// (cpu_kernels.pack_linear_weight; outputs past `out` are zero): for each input feature k, the block's weights
+// are one contiguous run of kPackedOutputs, multiplied by x[m, k] broadcast. A thread reads its blocks as one
+// stream, which the hardware prefetcher follows at full speed, and R x 3 accumulators need no sum across lanes.
+// Against block() on nn.Linear's layout (weights out of the caches, SmolLM2's shapes, 1 thread, C++ timing, min
+// of interleaved runs): 1 row 14.5-14.9 against 10.6-11.2 GB/s, 4 rows 9.5 against 16.5 ms, 16 rows 26.8
+// against 50.1 ms (75 against 40 GFLOP/s). The packing is a copy of the weights: a compiled step folds it into
+// a constant of the graph once (inductor's freezing), as inductor packs the weights of its own products.
+constexpr int kPackedOutputs = 3 * kLanes;
 
-extern "C" {
+template <int W, int R>
+void packed_block(const LinearArgs& a, const char* w, int64_t m0, int64_t n0) {
+  constexpr int V = kPackedOutputs / kLanes;
+  Floats acc[R][V] = {};
+  for (int64_t k = 0; k < a.in; ++k) {
+    Floats wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = load_weights<W>(w + (k * kPackedOutputs + v * kLanes) * item_size(W));
+    for (int r = 0; r < R; ++r) {
+      const Floats xv = hybridlm_cpu::broadcast(a.x[(m0 + r) * a.in + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] += xv * wv[v];
+    }
+  }
+  // through memory only now: indexing the accumulators' lanes by a variable would keep them there in the loop too
+  float sums[R][kPackedOutputs];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) hybridlm_cpu::store_floats(sums[r] + v * kLanes, acc[r][v]);
+  const int64_t valid = std::min<int64_t>(kPackedOutputs, a.out - n0);
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < valid; ++j) store(a, m0 + r, n0 + j, sums[r][j]);
+}
 
-// x: [rows, in] of x_kind (fp32 or bf16), rows contiguous; w: [out, in] of w_kind (bf16 or int8); scale, bias:
-// [out] fp32 or null; zero: [out] int8 or null; y: [rows, out], of x's kind. Returns 0, or -1 for a kind it does
-// not take.
-int linear_rows(const void* x, int64_t x_kind, const void* w, int64_t w_kind, const float* scale,
-                const int8_t* zero, const float* bias, void* y, int64_t rows, int64_t in, int64_t out,
-                int64_t threads) {
+template <int W>
+void packed_linear(const LinearArgs& a, int threads) {
+  const int64_t blocks = (a.out + kPackedOutputs - 1) / kPackedOutputs;
+  const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(threads, a.out * a.in >> 16));
+#pragma omp parallel for num_threads(useful) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const char* w = static_cast<const char*>(a.w) + b * a.in * kPackedOutputs * item_size(W);
+    int64_t m = 0;
+    for (; m + 4 <= a.rows; m += 4) packed_block<W, 4>(a, w, m, b * kPackedOutputs);
+    switch (a.rows - m) {
+      case 3: packed_block<W, 3>(a, w, m, b * kPackedOutputs); break;
+      case 2: packed_block<W, 2>(a, w, m, b * kPackedOutputs); break;
+      case 1: packed_block<W, 1>(a, w, m, b * kPackedOutputs); break;
+    }
+  }
+}
+
+// The product (over nn.Linear's layout, or `packed`) of x widened to fp32, with its row sums for zero points.
+int product(const void* x, int64_t x_kind, const void* w, int64_t w_kind, const float* scale, const int8_t* zero,
+            const float* bias, void* y, int64_t rows, int64_t in, int64_t out, int64_t threads, bool packed) {
   if ((x_kind != kFloat32 && x_kind != kBfloat16) || (w_kind != kBfloat16 && w_kind != kInt8)) return -1;
   std::vector<float> widened;
   const float* xf = static_cast<const float*>(x);
@@ -176,9 +217,31 @@ int linear_rows(const void* x, int64_t x_kind, const void* w, int64_t w_kind, co
   for (int64_t m = 0; m < int64_t(x_sums.size()); ++m)
     for (int64_t k = 0; k < in; ++k) x_sums[m] += xf[m * in + k];
   const LinearArgs args{xf, w, scale, zero, x_sums.data(), bias, y, rows, in, out, x_kind == kBfloat16};
-  if (w_kind == kBfloat16) linear<kBfloat16>(args, int(threads));
+  if (packed && w_kind == kBfloat16) packed_linear<kBfloat16>(args, int(threads));
+  else if (packed) packed_linear<kInt8>(args, int(threads));
+  else if (w_kind == kBfloat16) linear<kBfloat16>(args, int(threads));
   else linear<kInt8>(args, int(threads));
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: [rows, in] of x_kind (fp32 or bf16), rows contiguous; w: [out, in] of w_kind (bf16 or int8); scale, bias:
+// [out] fp32 or null; zero: [out] int8 or null; y: [rows, out], of x's kind. Returns 0, or -1 for a kind it does
+// not take.
+int linear_rows(const void* x, int64_t x_kind, const void* w, int64_t w_kind, const float* scale,
+                const int8_t* zero, const float* bias, void* y, int64_t rows, int64_t in, int64_t out,
+                int64_t threads) {
+  return product(x, x_kind, w, w_kind, scale, zero, bias, y, rows, in, out, threads, false);
+}
+
+// linear_rows over `packed`: the weights in blocks of 24 outputs, [ceil(out / 24), in, 24] (packed_block).
+int linear_rows_packed(const void* x, int64_t x_kind, const void* packed, int64_t w_kind, const float* scale,
+                       const int8_t* zero, const float* bias, void* y, int64_t rows, int64_t in, int64_t out,
+                       int64_t threads) {
+  return product(x, x_kind, packed, w_kind, scale, zero, bias, y, rows, in, out, threads, true);
 }
 
 }  // extern "C"

@@ -1,6 +1,6 @@
-// The CPU kernels of the dispatcher ops hybridlm::cpu_linear and hybridlm::cpu_attention (their schemas and fake
-// kernels are defined in hybridlm/ops/cpu_kernels.py): linear_rows (linear.cpp) and grouped_attention_bf16
-// (attention.cpp) behind torch's C++ dispatcher. Built against torch's headers by hybridlm/ops/cpu_kernels.py,
+// The CPU kernels of the dispatcher ops hybridlm::cpu_linear, hybridlm::cpu_packed_linear and
+// hybridlm::cpu_attention (their schemas and fake kernels are defined in hybridlm/ops/cpu_kernels.py): linear_rows
+// and linear_rows_packed (linear.cpp) and grouped_attention_bf16 (attention.cpp) behind torch's C++ dispatcher. Built against torch's headers by hybridlm/ops/cpu_kernels.py,
 // separately from the plain C library of the scans, because a call out of a compiled graph into a kernel written
 // in Python costs ~25 us and one into C++ ~7 (a 64 x 64 product on an AVX2 EPYC), and a decode step makes
 // hundreds of such calls.
@@ -20,6 +20,9 @@ extern "C" void grouped_attention_bf16(const float* q, const uint16_t* k, const 
 extern "C" int linear_rows(const void* x, int64_t x_kind, const void* w, int64_t w_kind, const float* scale,
                            const int8_t* zero, const float* bias, void* y, int64_t rows, int64_t in, int64_t out,
                            int64_t threads);
+extern "C" int linear_rows_packed(const void* x, int64_t x_kind, const void* packed, int64_t w_kind,
+                                  const float* scale, const int8_t* zero, const float* bias, void* y, int64_t rows,
+                                  int64_t in, int64_t out, int64_t threads);
 
 namespace {
 
@@ -34,13 +37,14 @@ at::Tensor per_output(const std::optional<at::Tensor>& extra, const char* name, 
   return extra->detach().to(type).contiguous();
 }
 
-// y = x @ ((weight - zero_point) * scale)^T + bias, like x; see linear.cpp and cpu_kernels.linear_rows.
-at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
-                      const std::optional<at::Tensor>& zero_point, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) > 0 && x.device().is_cpu() && weight.device().is_cpu(),
-                    "linear_rows: weight ", weight.sizes(), " on ", weight.device(), ", x on ", x.device(),
-                    ": it takes a 2-D weight with at least one input feature, both on the CPU");
-  const int64_t out = weight.size(0), in = weight.size(1);
+// y = x @ ((w - zero_point) * scale)^T + bias, like x, for `out` outputs of `in` features: w is `weight`, in
+// nn.Linear's layout [out, in], or with `packed` its blocks of 24 outputs [ceil(out / 24), in, 24] (linear.cpp's
+// packed_block); see cpu_kernels.linear_rows.
+at::Tensor linear_product(const at::Tensor& x, const at::Tensor& weight, bool packed, int64_t out, int64_t in,
+                          const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& zero_point,
+                          const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(x.device().is_cpu() && weight.device().is_cpu(), "linear_rows: weight on ", weight.device(),
+                    ", x on ", x.device(), ": both must be on the CPU");
   TORCH_CHECK_VALUE(x.dim() > 0 && x.size(-1) == in && (x.scalar_type() == at::kFloat ||
                                                         x.scalar_type() == at::kBFloat16),
                     "linear_rows: x ", x.sizes(), " ", x.scalar_type(), " against weight ", weight.sizes(),
@@ -57,11 +61,28 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   sizes.back() = out;
   at::Tensor y = at::empty(sizes, x.options());
   auto pointer = [](const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; };
-  linear_rows(xc.data_ptr(), kind(x.scalar_type()), wc.data_ptr(), kind(weight.scalar_type()),
-              static_cast<const float*>(pointer(scales)), static_cast<const int8_t*>(pointer(zeros)),
-              static_cast<const float*>(pointer(biases)), y.data_ptr(), xc.numel() / in, in, out,
-              at::get_num_threads());
+  (packed ? linear_rows_packed : linear_rows)(
+      xc.data_ptr(), kind(x.scalar_type()), wc.data_ptr(), kind(weight.scalar_type()),
+      static_cast<const float*>(pointer(scales)), static_cast<const int8_t*>(pointer(zeros)),
+      static_cast<const float*>(pointer(biases)), y.data_ptr(), xc.numel() / in, in, out, at::get_num_threads());
   return y;
+}
+
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                      const std::optional<at::Tensor>& zero_point, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) > 0, "linear_rows: weight ", weight.sizes(),
+                    ": it takes a 2-D weight with at least one input feature");
+  return linear_product(x, weight, false, weight.size(0), weight.size(1), scale, zero_point, bias);
+}
+
+at::Tensor cpu_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                             const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& zero_point,
+                             const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(1) > 0 && packed.size(2) == 24 && out_features > 0
+                        && (out_features + 23) / 24 == packed.size(0),
+                    "linear_rows: packed weight ", packed.sizes(), " for ", out_features, " outputs: it takes "
+                    "[ceil(out / 24), in, 24] (cpu_kernels.pack_linear_weight)");
+  return linear_product(x, packed, true, out_features, packed.size(1), scale, zero_point, bias);
 }
 
 // Softmax attention in fp32 over bf16 keys and values, rounded once to q's dtype; see attention.cpp and
@@ -105,5 +126,6 @@ at::Tensor cpu_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 
 TORCH_LIBRARY_IMPL(hybridlm, CPU, m) {
   m.impl("cpu_linear", &cpu_linear);
+  m.impl("cpu_packed_linear", &cpu_packed_linear);
   m.impl("cpu_attention", &cpu_attention);
 }

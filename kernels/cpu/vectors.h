@@ -25,6 +25,9 @@ inline Floats load_floats(const float* p) {
 
 inline void store_floats(float* p, Floats v) { std::memcpy(p, &v, sizeof v); }
 
+// kLanes copies of f: one broadcast (`Floats{} + f` would add +0.0 first, an instruction and a register more).
+inline Floats broadcast(float f) { return Floats{f, f, f, f, f, f, f, f}; }
+
 // The sum of v's lanes, in lane order.
 inline float lane_sum(Floats v) {
   float s = 0.f;

@@ -1,6 +1,8 @@
 """The decode-step linear kernel (``kernels/cpu/linear.cpp`` through ``cpu_kernels.linear_rows`` and the
-``hybridlm::cpu_linear`` op) against the float64 product of the same weights; its threads; compiled against eager;
-where :class:`hybridlm.layers.linear.Linear` hands it the product, and where not; its errors."""
+``hybridlm::cpu_linear`` op, and over packed weights through ``packed_linear_rows`` and ``cpu_packed_linear``)
+against the float64 product of the same weights; the packed layout; its threads; compiled against eager, and with
+frozen weights packed once; where :class:`hybridlm.layers.linear.Linear` hands it the product, and where not; its
+errors."""
 
 from __future__ import annotations
 
@@ -55,19 +57,41 @@ def check_against_float64(y, x, exact_weight, bias, scale, zero):
     assert excess <= 0, f"kernel off the float64 product by {excess:.3g} beyond the rounding bound"
 
 
-@settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 20), in_features=st.integers(1, 70), out_features=st.integers(1, 40),
+def product(x, weight, scale, zero, bias, packed):
+    """The kernel's product over nn.Linear's layout, or over the packed weight."""
+    if not packed:
+        return cpu_kernels.linear_rows(x, weight, scale, zero, bias)
+    return cpu_kernels.packed_linear_rows(x, cpu_kernels.pack_linear_weight(weight), weight.shape[0], scale, zero,
+                                          bias)
+
+
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 20), in_features=st.integers(1, 70), out_features=st.integers(1, 60),
        kind=st.sampled_from(["bf16", "int8", "int8-zero"]), x_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-       with_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_kernel_is_the_product(rows, in_features, out_features, kind, x_dtype, with_bias, seed):
-    """Rows taken directly (up to 3) and through the widened copy (more), every remainder of in (8 lanes) and out
-    (blocks of 3), both weight kinds with and without zero points, bias or none."""
+       with_bias=st.booleans(), packed=st.booleans(), seed=st.integers(0, 2**16))
+def test_kernel_is_the_product(rows, in_features, out_features, kind, x_dtype, with_bias, packed, seed):
+    """Both layouts: rows in blocks of 4 and every remainder, every remainder of in (8 lanes) and out (blocks of 3
+    rows, or of 24 packed outputs, the last padded), both weight kinds with and without zero points, bias or
+    none."""
     g = torch.Generator().manual_seed(seed)
     weight, scale, zero, exact_weight = random_weight(out_features, in_features, kind, g)
     x = torch.randn(rows, in_features, generator=g).to(x_dtype)
     bias = torch.randn(out_features, generator=g) if with_bias else None
-    y = cpu_kernels.linear_rows(x, weight, scale, zero, bias)
+    y = product(x, weight, scale, zero, bias, packed)
     check_against_float64(y, x, exact_weight, bias, scale, zero)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_packed_layout_is_blocks_of_24_outputs(dtype):
+    """``packed[b, k, j]`` is ``weight[24 b + j, k]``, and zero past the last output."""
+    weight = torch.arange(50 * 7).remainder(97).view(50, 7).to(dtype)
+    packed = cpu_kernels.pack_linear_weight(weight)
+    assert packed.shape == (3, 7, 24) and packed.dtype == dtype and packed.is_contiguous()
+    expected = torch.zeros(3, 7, 24, dtype=dtype)
+    for n in range(50):
+        for k in range(7):
+            expected[n // 24, k, n % 24] = weight[n, k]
+    assert torch.equal(packed, expected)
 
 
 def test_leading_dimensions_and_bf16_bias():
@@ -81,19 +105,20 @@ def test_leading_dimensions_and_bf16_bias():
     check_against_float64(y.reshape(6, 24), x.reshape(6, 40), exact_weight, bias, None, None)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("rows", [1, 7])
-def test_threads_give_the_same_bits(rows):
-    """The threads split the output rows, so each output is summed alike: 2 threads, bit for bit 1 (the weights
-    are large enough, 2^18, that the kernel starts its second thread)."""
+def test_threads_give_the_same_bits(rows, packed):
+    """The threads split the outputs, so each output is summed alike: 2 threads, bit for bit 1 (the weights are
+    large enough, 2^18, that the kernel starts its second thread)."""
     g = torch.Generator().manual_seed(2)
     weight, scale, zero, _ = random_weight(512, 512, "int8-zero", g)
     x = torch.randn(rows, 512, generator=g)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu_kernels.linear_rows(x, weight, scale, zero)
+        one = product(x, weight, scale, zero, None, packed)
         torch.set_num_threads(2)
-        two = cpu_kernels.linear_rows(x, weight, scale, zero)
+        two = product(x, weight, scale, zero, None, packed)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -167,20 +192,62 @@ def test_compiled_step_calls_the_op_as_eager(kernel_serves):
         assert torch.equal(compiled(x), layer(x))
 
 
+def weight_only_codes(weight, scale, zero):
+    """A stand-in for torchao's weight-only int8 tensor (what ``_weight_parts`` reads of it)."""
+    return mock.Mock(qdata=weight, scale=scale, zero_point=zero, act_quant_kwargs=None, act_pre_scale=None,
+                     block_size=[1, weight.shape[1]], dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("rows, kind, taken", [(1, "bf16", False), (2, "bf16", True), (4, "int8", False)])
-def test_in_a_graph_only_bf16_steps_of_rows(kernel_serves, rows, kind, taken):
-    """Traced into a graph, a single row and int8 codes are left to inductor's own products (faster there, with no
-    call out of the graph); bf16 weights of several rows go to the op."""
+def test_in_a_graph_of_weight_inputs_only_bf16_steps_of_rows(kernel_serves, rows, kind, taken):
+    """Traced into a graph whose weights are inputs, a single row and int8 codes are left to inductor's own
+    products (faster there than the unpacked op); bf16 weights of several rows go to the op."""
     g = torch.Generator().manual_seed(4)
     weight, scale, zero, _ = random_weight(20, 48, kind, g)
-    codes = mock.Mock(qdata=weight, scale=scale, zero_point=zero, act_quant_kwargs=None, act_pre_scale=None,
-                      block_size=[1, 48], dtype=torch.bfloat16)
+    codes = weight_only_codes(weight, scale, zero)
     x = torch.randn(rows, 48, generator=g).bfloat16()
     assert kind == "bf16" or cpu_linear._weight_parts(codes, x.dtype) is not None  # codes it takes in eager
     with mock.patch.object(torch.compiler, "is_compiling", return_value=True), \
+            mock.patch.object(cpu_linear, "_weights_are_constants", return_value=False), \
             mock.patch.object(torch.ops.hybridlm, "cpu_linear", return_value="op") as op, torch.no_grad():
         y = cpu_linear.kernel_linear(x, weight if kind == "bf16" else codes, None)
     assert (y == "op") is taken and op.called is taken
+
+
+@pytest.mark.parametrize("rows, kind", [(1, "bf16"), (16, "bf16"), (1, "int8"), (5, "int8-zero")])
+def test_in_a_graph_of_frozen_weights_the_packed_op(kernel_serves, rows, kind):
+    """Traced into a graph whose weights are constants (inductor's freezing), every step of up to MAX_ROWS rows
+    goes to the packed op, with the packed weight (or codes), its outputs, scale and zero point."""
+    g = torch.Generator().manual_seed(5)
+    weight, scale, zero, _ = random_weight(30, 48, kind, g)
+    x = torch.randn(rows, 48, generator=g).bfloat16()
+    with mock.patch.object(torch.compiler, "is_compiling", return_value=True), \
+            mock.patch.object(cpu_linear, "_weights_are_constants", return_value=True), \
+            mock.patch.object(torch.ops.hybridlm, "cpu_packed_linear", return_value="op") as op, torch.no_grad():
+        y = cpu_linear.kernel_linear(x, weight if kind == "bf16" else weight_only_codes(weight, scale, zero), None)
+    assert y == "op"
+    (x_arg, packed, out_features, scale_arg, zero_arg, bias_arg), _ = op.call_args
+    assert x_arg is x and out_features == 30 and bias_arg is None
+    assert torch.equal(packed, cpu_kernels.pack_linear_weight(weight))
+    assert scale_arg is scale and zero_arg is zero
+
+
+def test_inductor_folds_the_packing_into_a_constant(kernel_serves):
+    """Compiled by inductor with frozen weights (as DecodeStep compiles), the layer's graph runs the packed op
+    alone, on a constant: the packing ran once, at compile time. Its output is the packed op's, bit for bit."""
+    from torch._inductor.utils import run_and_get_code
+
+    layer = bf16_linear(bias=False)
+    x = torch.randn(3, 48).bfloat16()
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True, cpp_wrapper=False):
+        compiled = torch.compile(layer, fullgraph=True)
+        y, (code,) = run_and_get_code(compiled, x)
+    call = re.compile(r"\s*(\w+ = )?(torch\.ops\.|extern_kernels\.|cpp_fused)[\w.]*\(")  # a kernel's call
+    calls = [line for line in code.splitlines() if call.match(line)]
+    assert len(calls) == 1 and "torch.ops.hybridlm.cpu_packed_linear" in calls[0], calls
+    packed = cpu_kernels.pack_linear_weight(layer.weight.detach())
+    assert torch.equal(y, cpu_kernels.packed_linear_rows(x, packed, 20))
 
 
 @pytest.mark.parametrize("case, message", [
@@ -190,6 +257,7 @@ def test_in_a_graph_only_bf16_steps_of_rows(kernel_serves, rows, kind, taken):
     ("short scale", "scale [19] has not one entry per output (20)"),
     ("fp16 input", "must be fp32 or bf16"),
     ("1-D weight", "it takes a 2-D weight"),
+    ("packed for other outputs", "packed weight [1, 48, 24] for 30 outputs: it takes [ceil(out / 24), in, 24]"),
 ])
 def test_errors_name_the_problem(case, message):
     weight = torch.randn(20, 48).bfloat16()
@@ -204,6 +272,10 @@ def test_errors_name_the_problem(case, message):
         weight, scale = weight.to(torch.int8), torch.ones(19)
     elif case == "1-D weight":
         weight = weight[0]
+    elif case == "packed for other outputs":
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cpu_kernels.packed_linear_rows(x, cpu_kernels.pack_linear_weight(weight), 30)
+        return
     else:
         x = x.half()
     with pytest.raises(ValueError, match=re.escape(message)):
