@@ -1,13 +1,13 @@
 // The linear layer of few rows (decode steps) with bf16 or int8 weights on the CPU, behind a plain C interface
 // (built with the other kernels here by hybridlm/ops/cpu_kernels.py):
 //   y[m, n] = round(scale[n] * sum_k x[m, k] (w[n, k] - zero[n]) + bias[n])
-// w is nn.Linear's own layout [out_features, in_features], bf16, or int8 codes with one fp32 scale and one int8
-// zero point per output row (torchao's weight-only int8: zero points are 0 when symmetric); x and y are fp32 or
-// bf16 rows. Each weight vector is widened to fp32 in registers as it is loaded and multiplied there, the sums
-// kept in fp32 and the output rounded once. A CPU with no bf16 or int8 products of its own (AVX2) has nothing
-// faster in torch's eager products: its bf16 products take a slow path, and a copy of the weights in fp32 reads
-// and writes them all again each call. Reading the weights is what a decode step waits for, and bf16 halves it,
-// int8 quarters it.
+// w is nn.Linear's own layout [out_features, in_features] (or packed in blocks of outputs: linear_rows_packed),
+// bf16, or int8 codes with one fp32 scale and one int8 zero point per output row (torchao's weight-only int8: zero
+// points are 0 when symmetric); x and y are fp32 or bf16 rows. Each weight vector is widened to fp32 in registers
+// as it is loaded and multiplied there, the sums kept in fp32 and the output rounded once. A CPU with no bf16 or
+// int8 products of its own (AVX2) has nothing faster in torch's eager products: its bf16 products take a slow
+// path, and a copy of the weights in fp32 reads and writes them all again each call. Reading the weights is what a
+// decode step waits for, and bf16 halves it, int8 quarters it.
 
 #include <algorithm>
 #include <cstdint>
@@ -156,10 +156,10 @@ void linear(const LinearArgs& a, int threads) {
 // The same product over weights packed in blocks of kPackedOutputs outputs, [blocks, in, kPackedOutputs]
 // (cpu_kernels.pack_linear_weight; outputs past `out` are zero): for each input feature k, the block's weights
 // are one contiguous run of kPackedOutputs, multiplied by x[m, k] broadcast. A thread reads its blocks as one
-// stream, which the hardware prefetcher follows at full speed, and R x 3 accumulators need no sum across lanes.
-// Against block() on nn.Linear's layout (weights out of the caches, SmolLM2's shapes, 1 thread, C++ timing, min
-// of interleaved runs): 1 row 14.5-14.9 against 10.6-11.2 GB/s, 4 rows 9.5 against 16.5 ms, 16 rows 26.8
-// against 50.1 ms (75 against 40 GFLOP/s). The packing is a copy of the weights: a compiled step folds it into
+// stream, which the hardware prefetcher follows at full speed (prefetching the next block, as outputs() does,
+// made it slower), and R x 3 accumulators need no sum across lanes. Against block() on nn.Linear's layout
+// (weights out of the caches, SmolLM2's shapes, 1 thread, C++ timing, min of interleaved runs): 1 row 15.3-15.8
+// against 10.6-11.2 GB/s, 4 rows 9.9 against 16.5 ms, 16 rows 27.3 against 50.1 ms (74 against 40 GFLOP/s). The packing is a copy of the weights: a compiled step folds it into
 // a constant of the graph once (inductor's freezing), as inductor packs the weights of its own products.
 constexpr int kPackedOutputs = 3 * kLanes;
 
