@@ -378,18 +378,18 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
 
 
 #: outputs of a block of a packed weight (``linear.cpp``'s ``kPackedOutputs``)
-PACKED_OUTPUTS = 24
+PACKED_OUTPUTS = 16
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` (bf16, or int8 codes) in blocks of :data:`PACKED_OUTPUTS` outputs, ``[ceil(out / 24),
-    in, 24]``, the outputs past ``out`` zero: the layout of ``cpu_packed_linear``, whose threads each read their
+    """``weight [out, in]`` (bf16, or int8 codes) in blocks of :data:`PACKED_OUTPUTS` outputs, ``[ceil(out / 16),
+    in, 16]``, the outputs past ``out`` zero: the layout of ``cpu_packed_linear``, whose threads each read their
     blocks as one stream. Plain tensor ops, so that inductor's freezing folds them into a constant of the graph
     where the weight is one."""
     out, features = weight.shape
     blocks = -(-out // PACKED_OUTPUTS)
-    padded = F.pad(weight, (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 24, in]
-    return padded.view(blocks, PACKED_OUTPUTS, features).transpose(1, 2).contiguous()  # [blocks, in, 24]
+    padded = F.pad(weight, (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 16, in]
+    return padded.view(blocks, PACKED_OUTPUTS, features).transpose(1, 2).contiguous()  # [blocks, in, 16]
 
 
 def packed_linear_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale: torch.Tensor | None = None,

@@ -8,7 +8,7 @@ weights in their own width once and multiplies at fp32 speed. It serves steps of
 
 Eager, it is the op ``torch.ops.hybridlm.cpu_linear`` over nn.Linear's layout. In a graph whose weights are
 constants (inductor's ``freezing``, as :class:`hybridlm.decoding.decode_step.DecodeStep` compiles), it is
-``cpu_packed_linear`` over the weights packed in blocks of 24 outputs (:func:`cpu_kernels.pack_linear_weight`),
+``cpu_packed_linear`` over the weights packed in blocks of 16 outputs (:func:`cpu_kernels.pack_linear_weight`),
 which freezing folds into a constant of the graph once: a thread reads its weights as one stream, and several
 rows share each weight vector from registers. That copy of the weights is held by each compiled graph (as
 inductor's own packed products are). Measured on SmolLM2-135M's compiled step (1 thread, AVX2 EPYC, min / median

@@ -155,30 +155,43 @@ void linear(const LinearArgs& a, int threads) {
 
 // The same product over weights packed in blocks of kPackedOutputs outputs, [blocks, in, kPackedOutputs]
 // (cpu_kernels.pack_linear_weight; outputs past `out` are zero): for each input feature k, the block's weights
-// are one contiguous run of kPackedOutputs, multiplied by x[m, k] broadcast. A thread reads its blocks as one
-// stream, which the hardware prefetcher follows at full speed (prefetching the next block, as outputs() does,
-// made it slower), and R x 3 accumulators need no sum across lanes. Against block() on nn.Linear's layout
-// (weights out of the caches, SmolLM2's shapes, 1 thread, C++ timing, min of interleaved runs): 1 row 15.3-15.8
-// against 10.6-11.2 GB/s, 4 rows 9.9 against 16.5 ms, 16 rows 27.3 against 50.1 ms (74 against 40 GFLOP/s). The packing is a copy of the weights: a compiled step folds it into
-// a constant of the graph once (inductor's freezing), as inductor packs the weights of its own products.
-constexpr int kPackedOutputs = 3 * kLanes;
+// are one contiguous run of kPackedOutputs, widened into 2 vectors and multiplied by x[m, k] broadcast, 6 rows at
+// a time (12 accumulators, 2 weight vectors and a broadcast: AVX2's 16 registers). A thread reads its blocks as
+// one stream, which the hardware prefetcher follows at full speed (prefetching the next block, as outputs() does,
+// made it slower), and no sums across lanes are needed. A row alone would have only 2 accumulators, each waiting
+// on its last multiply-add every feature: it takes two sets, for even and odd features, added at the end. Weights
+// out of the caches, SmolLM2's shapes, 1 thread, C++ timing, min of interleaved runs, against block() on
+// nn.Linear's layout: 1 row 16.4-17.1 against 10.6-11.2 GB/s (bf16; int8 codes 15.4-16.1), 4 rows 9.4-9.6 against
+// 16.5 ms, 16 rows 25.1-25.6 against 50.1 ms (80 against 40 GFLOP/s). Against blocks of 24 outputs, 4 rows at a
+// time and one set of accumulators (the first version): 16 rows 1.07x, int8 codes of 1 row 1.14x. The packing is
+// a copy of the weights: a compiled step folds it into a constant of the graph once (inductor's freezing), as
+// inductor packs the weights of its own products.
+constexpr int kPackedOutputs = 2 * kLanes;
 
 template <int W, int R>
 void packed_block(const LinearArgs& a, const char* w, int64_t m0, int64_t n0) {
   constexpr int V = kPackedOutputs / kLanes;
-  Floats acc[R][V] = {};
-  for (int64_t k = 0; k < a.in; ++k) {
+  constexpr int S = R == 1 ? 2 : 1;  // sets of accumulators
+  Floats acc[S][R][V] = {};
+  auto multiply_add = [&](Floats (&sums)[R][V], int64_t k) {
     Floats wv[V];
     for (int v = 0; v < V; ++v) wv[v] = load_weights<W>(w + (k * kPackedOutputs + v * kLanes) * item_size(W));
     for (int r = 0; r < R; ++r) {
       const Floats xv = hybridlm_cpu::broadcast(a.x[(m0 + r) * a.in + k]);
-      for (int v = 0; v < V; ++v) acc[r][v] += xv * wv[v];
+      for (int v = 0; v < V; ++v) sums[r][v] += xv * wv[v];
     }
-  }
+  };
+  int64_t k = 0;
+  for (; k + S <= a.in; k += S)
+    for (int s = 0; s < S; ++s) multiply_add(acc[s], k + s);
+  for (; k < a.in; ++k) multiply_add(acc[0], k);
+  for (int s = 1; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[0][r][v] += acc[s][r][v];
   // through memory only now: indexing the accumulators' lanes by a variable would keep them there in the loop too
   float sums[R][kPackedOutputs];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) hybridlm_cpu::store_floats(sums[r] + v * kLanes, acc[r][v]);
+    for (int v = 0; v < V; ++v) hybridlm_cpu::store_floats(sums[r] + v * kLanes, acc[0][r][v]);
   const int64_t valid = std::min<int64_t>(kPackedOutputs, a.out - n0);
   for (int r = 0; r < R; ++r)
     for (int64_t j = 0; j < valid; ++j) store(a, m0 + r, n0 + j, sums[r][j]);
@@ -192,8 +205,10 @@ void packed_linear(const LinearArgs& a, int threads) {
   for (int64_t b = 0; b < blocks; ++b) {
     const char* w = static_cast<const char*>(a.w) + b * a.in * kPackedOutputs * item_size(W);
     int64_t m = 0;
-    for (; m + 4 <= a.rows; m += 4) packed_block<W, 4>(a, w, m, b * kPackedOutputs);
+    for (; m + 6 <= a.rows; m += 6) packed_block<W, 6>(a, w, m, b * kPackedOutputs);
     switch (a.rows - m) {
+      case 5: packed_block<W, 5>(a, w, m, b * kPackedOutputs); break;
+      case 4: packed_block<W, 4>(a, w, m, b * kPackedOutputs); break;
       case 3: packed_block<W, 3>(a, w, m, b * kPackedOutputs); break;
       case 2: packed_block<W, 2>(a, w, m, b * kPackedOutputs); break;
       case 1: packed_block<W, 1>(a, w, m, b * kPackedOutputs); break;
@@ -237,7 +252,7 @@ int linear_rows(const void* x, int64_t x_kind, const void* w, int64_t w_kind, co
   return product(x, x_kind, w, w_kind, scale, zero, bias, y, rows, in, out, threads, false);
 }
 
-// linear_rows over `packed`: the weights in blocks of 24 outputs, [ceil(out / 24), in, 24] (packed_block).
+// linear_rows over `packed`: the weights in blocks of 16 outputs, [ceil(out / 16), in, 16] (packed_block).
 int linear_rows_packed(const void* x, int64_t x_kind, const void* packed, int64_t w_kind, const float* scale,
                        const int8_t* zero, const float* bias, void* y, int64_t rows, int64_t in, int64_t out,
                        int64_t threads) {

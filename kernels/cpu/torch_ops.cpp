@@ -38,7 +38,7 @@ at::Tensor per_output(const std::optional<at::Tensor>& extra, const char* name, 
 }
 
 // y = x @ ((w - zero_point) * scale)^T + bias, like x, for `out` outputs of `in` features: w is `weight`, in
-// nn.Linear's layout [out, in], or with `packed` its blocks of 24 outputs [ceil(out / 24), in, 24] (linear.cpp's
+// nn.Linear's layout [out, in], or with `packed` its blocks of 16 outputs [ceil(out / 16), in, 16] (linear.cpp's
 // packed_block); see cpu_kernels.linear_rows.
 at::Tensor linear_product(const at::Tensor& x, const at::Tensor& weight, bool packed, int64_t out, int64_t in,
                           const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& zero_point,
@@ -78,10 +78,10 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const std::
 at::Tensor cpu_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                              const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& zero_point,
                              const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(1) > 0 && packed.size(2) == 24 && out_features > 0
-                        && (out_features + 23) / 24 == packed.size(0),
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(1) > 0 && packed.size(2) == 16 && out_features > 0
+                        && (out_features + 15) / 16 == packed.size(0),
                     "linear_rows: packed weight ", packed.sizes(), " for ", out_features, " outputs: it takes "
-                    "[ceil(out / 24), in, 24] (cpu_kernels.pack_linear_weight)");
+                    "[ceil(out / 16), in, 16] (cpu_kernels.pack_linear_weight)");
   return linear_product(x, packed, true, out_features, packed.size(1), scale, zero_point, bias);
 }
 

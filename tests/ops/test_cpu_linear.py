@@ -70,9 +70,9 @@ def product(x, weight, scale, zero, bias, packed):
        kind=st.sampled_from(["bf16", "int8", "int8-zero"]), x_dtype=st.sampled_from([torch.float32, torch.bfloat16]),
        with_bias=st.booleans(), packed=st.booleans(), seed=st.integers(0, 2**16))
 def test_kernel_is_the_product(rows, in_features, out_features, kind, x_dtype, with_bias, packed, seed):
-    """Both layouts: rows in blocks of 4 and every remainder, every remainder of in (8 lanes) and out (blocks of 3
-    rows, or of 24 packed outputs, the last padded), both weight kinds with and without zero points, bias or
-    none."""
+    """Both layouts: rows in blocks of 4 (of 6 packed, a single row with two sets of sums) and every remainder,
+    every remainder of in (8 lanes, and odd features for the single row's two sets) and out (blocks of 3 rows, or
+    of 16 packed outputs, the last padded), both weight kinds with and without zero points, bias or none."""
     g = torch.Generator().manual_seed(seed)
     weight, scale, zero, exact_weight = random_weight(out_features, in_features, kind, g)
     x = torch.randn(rows, in_features, generator=g).to(x_dtype)
@@ -82,15 +82,15 @@ def test_kernel_is_the_product(rows, in_features, out_features, kind, x_dtype, w
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-def test_packed_layout_is_blocks_of_24_outputs(dtype):
-    """``packed[b, k, j]`` is ``weight[24 b + j, k]``, and zero past the last output."""
+def test_packed_layout_is_blocks_of_16_outputs(dtype):
+    """``packed[b, k, j]`` is ``weight[16 b + j, k]``, and zero past the last output."""
     weight = torch.arange(50 * 7).remainder(97).view(50, 7).to(dtype)
     packed = cpu_kernels.pack_linear_weight(weight)
-    assert packed.shape == (3, 7, 24) and packed.dtype == dtype and packed.is_contiguous()
-    expected = torch.zeros(3, 7, 24, dtype=dtype)
+    assert packed.shape == (4, 7, 16) and packed.dtype == dtype and packed.is_contiguous()
+    expected = torch.zeros(4, 7, 16, dtype=dtype)
     for n in range(50):
         for k in range(7):
-            expected[n // 24, k, n % 24] = weight[n, k]
+            expected[n // 16, k, n % 16] = weight[n, k]
     assert torch.equal(packed, expected)
 
 
@@ -257,7 +257,7 @@ def test_inductor_folds_the_packing_into_a_constant(kernel_serves):
     ("short scale", "scale [19] has not one entry per output (20)"),
     ("fp16 input", "must be fp32 or bf16"),
     ("1-D weight", "it takes a 2-D weight"),
-    ("packed for other outputs", "packed weight [1, 48, 24] for 30 outputs: it takes [ceil(out / 24), in, 24]"),
+    ("packed for other outputs", "packed weight [2, 48, 16] for 40 outputs: it takes [ceil(out / 16), in, 16]"),
 ])
 def test_errors_name_the_problem(case, message):
     weight = torch.randn(20, 48).bfloat16()
@@ -274,7 +274,7 @@ def test_errors_name_the_problem(case, message):
         weight = weight[0]
     elif case == "packed for other outputs":
         with pytest.raises(ValueError, match=re.escape(message)):
-            cpu_kernels.packed_linear_rows(x, cpu_kernels.pack_linear_weight(weight), 30)
+            cpu_kernels.packed_linear_rows(x, cpu_kernels.pack_linear_weight(weight), 40)
         return
     else:
         x = x.half()
