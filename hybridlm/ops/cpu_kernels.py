@@ -395,8 +395,9 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_linear_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int, scale: torch.Tensor | None = None,
                        zero_point: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`linear_rows` over :func:`pack_linear_weight`'s ``packed`` weight of ``out_features`` outputs (the op
-    ``torch.ops.hybridlm.cpu_packed_linear``), the weights read as one stream. Each output is summed along ``in`` in
-    order, one fp32 lane per output, where linear_rows sums 8 strided partial sums: the two agree to rounding."""
+    ``torch.ops.hybridlm.cpu_packed_linear``), the weights read as one stream. Each output is summed along ``in``
+    in one fp32 lane (a single row's in two, even and odd features), where linear_rows sums 8 strided partial sums:
+    the two agree to rounding."""
     load_torch_ops()
     return torch.ops.hybridlm.cpu_packed_linear(x, packed, out_features, scale, zero_point, bias)
 

@@ -13,8 +13,8 @@ which freezing folds into a constant of the graph once: a thread reads its weigh
 rows share each weight vector from registers. That copy of the weights is held by each compiled graph (as
 inductor's own packed products are). Measured on SmolLM2-135M's compiled step (1 thread, AVX2 EPYC, min / median
 of interleaved runs, packed op against the rule before it: inductor's products for one row and int8 codes, the
-unpacked op for bf16 rows): bf16 batch 1 20.3 / 22.3 against 22.7 / 29.5 ms, batch 16 83.1 / 91.6 against
-128.4 / 144.0; int8 batch 1 16.5 / 19.2 against 17.1 / 22.1, batch 16 86.5 / 87.9 against 97.7 / 102.0. In a
+unpacked op for bf16 rows): bf16 batch 1 19.8 / 20.8 against 22.4 / 24.3 ms, batch 16 79.7 / 93.1 against
+140.4 / 152.8; int8 batch 1 15.7 / 18.0 against 16.6 / 17.8, batch 16 80.8 / 85.5 against 96.8 / 103.8. In a
 graph whose weights are inputs, a single row and int8 codes are left to inductor's products, which take a bf16
 weight by one row and torchao's codes (ATen's int8 kernels) at least as fast as the unpacked op. Inference only:
 a product that needs gradients keeps torch's.
