@@ -252,6 +252,9 @@ int linear_rows(const void* x, int64_t x_kind, const void* w, int64_t w_kind, co
   return product(x, x_kind, w, w_kind, scale, zero, bias, y, rows, in, out, threads, false);
 }
 
+// The outputs of a block of linear_rows_packed's weights (kPackedOutputs).
+int64_t linear_packed_outputs() { return kPackedOutputs; }
+
 // linear_rows over `packed`: the weights in blocks of 16 outputs, [ceil(out / 16), in, 16] (packed_block).
 int linear_rows_packed(const void* x, int64_t x_kind, const void* packed, int64_t w_kind, const float* scale,
                        const int8_t* zero, const float* bias, void* y, int64_t rows, int64_t in, int64_t out,

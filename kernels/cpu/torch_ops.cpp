@@ -1,9 +1,9 @@
 // The CPU kernels of the dispatcher ops hybridlm::cpu_linear, hybridlm::cpu_packed_linear and
 // hybridlm::cpu_attention (their schemas and fake kernels are defined in hybridlm/ops/cpu_kernels.py): linear_rows
-// and linear_rows_packed (linear.cpp) and grouped_attention_bf16 (attention.cpp) behind torch's C++ dispatcher. Built against torch's headers by hybridlm/ops/cpu_kernels.py,
-// separately from the plain C library of the scans, because a call out of a compiled graph into a kernel written
-// in Python costs ~25 us and one into C++ ~7 (a 64 x 64 product on an AVX2 EPYC), and a decode step makes
-// hundreds of such calls.
+// and linear_rows_packed (linear.cpp) and grouped_attention_bf16 (attention.cpp) behind torch's C++ dispatcher.
+// Built against torch's headers by hybridlm/ops/cpu_kernels.py, separately from the plain C library of the scans,
+// because a call out of a compiled graph into a kernel written in Python costs ~25 us and one into C++ ~7 (a 64 x
+// 64 product on an AVX2 EPYC), and a decode step makes hundreds of such calls.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -23,6 +23,7 @@ extern "C" int linear_rows(const void* x, int64_t x_kind, const void* w, int64_t
 extern "C" int linear_rows_packed(const void* x, int64_t x_kind, const void* packed, int64_t w_kind,
                                   const float* scale, const int8_t* zero, const float* bias, void* y, int64_t rows,
                                   int64_t in, int64_t out, int64_t threads);
+extern "C" int64_t linear_packed_outputs();
 
 namespace {
 
@@ -78,10 +79,11 @@ at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const std::
 at::Tensor cpu_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
                              const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& zero_point,
                              const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(1) > 0 && packed.size(2) == 16 && out_features > 0
-                        && (out_features + 15) / 16 == packed.size(0),
+  const int64_t block = linear_packed_outputs();
+  TORCH_CHECK_VALUE(packed.dim() == 3 && packed.size(1) > 0 && packed.size(2) == block && out_features > 0
+                        && (out_features + block - 1) / block == packed.size(0),
                     "linear_rows: packed weight ", packed.sizes(), " for ", out_features, " outputs: it takes "
-                    "[ceil(out / 16), in, 16] (cpu_kernels.pack_linear_weight)");
+                    "[ceil(out / ", block, "), in, ", block, "] (cpu_kernels.pack_linear_weight)");
   return linear_product(x, packed, true, out_features, packed.size(1), scale, zero_point, bias);
 }
 
