@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridlm.ops.activation_groups import round_through_int8_groups
 from hybridlm.ops.cpu_features import dtypes_without_cpu_products
-from hybridlm.ops.cpu_linear import kernel_linear, weight_only_codes
+from hybridlm.ops.cpu_linear import int8_groups_linear, kernel_linear, weight_only_codes
 
 #: bf16 / fp16, where this CPU has no products of its own in them
 DTYPES_WITHOUT_CPU_PRODUCTS = dtypes_without_cpu_products()
@@ -38,7 +39,13 @@ class Linear(nn.Linear):
     :func:`hybridlm.model.quantize_weights`), dequantized to fp32 (their own product multiplies in the input's
     dtype, as slow there)."""
 
+    #: int8 codes in groups of this many input features, and the input quantized in the same groups at every
+    #: product (set by :func:`hybridlm.model.quantize_weights` with ``group_size``); None: the input as it is
+    input_group: int | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_group is not None:
+            return self._int8_product(x)
         y = kernel_linear(x, self.weight, self.bias)
         if y is not None:
             return y
@@ -47,6 +54,16 @@ class Linear(nn.Linear):
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), weight, bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)
+
+    def _int8_product(self, x: torch.Tensor) -> torch.Tensor:
+        """The int8 x int8 product: the kernel's for a decode step on the CPU, else the same arithmetic in fp32 (the
+        input rounded through its int8 codes, the weight dequantized), rounded once to ``x``'s dtype."""
+        y = int8_groups_linear(x, self.weight, self.bias)
+        if y is not None:
+            return y
+        bias = None if self.bias is None else self.bias.float()
+        weight = self.weight.dequantize(torch.float32)
+        return F.linear(round_through_int8_groups(x, self.input_group), weight, bias).to(x.dtype)
 
 
 def _many_reduced_precision_rows_on_cpu(x: torch.Tensor) -> bool:

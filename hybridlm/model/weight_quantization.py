@@ -22,15 +22,22 @@ from __future__ import annotations
 
 from torch import nn
 
+from hybridlm.layers.linear import Linear
+
 #: the attribute a quantized model carries (what ``save_pretrained`` checks)
 QUANTIZED_WEIGHTS = "hybridlm_weight_bits"
 
 
-def quantize_weights(model: nn.Module, bits: int = 8, exclude: tuple[str, ...] = ()) -> nn.Module:
+def quantize_weights(model: nn.Module, bits: int = 8, exclude: tuple[str, ...] = (),
+                     group_size: int | None = None) -> nn.Module:
     """Quantize ``model``'s linear weights to int8 in place (and return it). ``exclude``: module names
-    (``"lm_head"``) or their last part (``"kv_b_proj"``) to keep in float."""
+    (``"lm_head"``) or their last part (``"kv_b_proj"``) to keep in float. ``group_size`` (even, dividing each
+    layer's input features): one scale per group of that many inputs instead of per output row, and the inputs
+    quantized in the same groups at every product, multiplied in int8 x int8 (llama.cpp's Q8_0 with 32)."""
     if bits != 8:
         raise ValueError(f"quantize_weights: bits={bits!r}; only 8 (int8 weight-only) is supported")
+    if group_size is not None and (type(group_size) is not int or group_size < 2 or group_size % 2):
+        raise ValueError(f"quantize_weights: group_size={group_size!r}; it takes an even number of input features")
     if getattr(model, QUANTIZED_WEIGHTS, None):
         raise ValueError("quantize_weights: the model's weights are already quantized")
     excluded = set(exclude)
@@ -42,18 +49,32 @@ def quantize_weights(model: nn.Module, bits: int = 8, exclude: tuple[str, ...] =
         parts = ", ".join(repr(part) for part in sorted({part for _, part in refused.values()}))
         raise ValueError(f"quantize_weights: the {'/'.join(kinds)} layers read these weights themselves, which "
                          f"int8 codes cannot serve: {', '.join(refused)}; keep them in float with exclude=({parts},)")
-    try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
-    except ImportError as error:
-        raise ImportError("quantize_weights needs torchao: pip install torchao (or hybridlm[int8])") from error
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and "lm_head" not in excluded and head.weight is model.get_input_embeddings().weight:
-        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)  # untie: the embedding stays
 
     def chosen(module: nn.Module, name: str) -> bool:
         return isinstance(module, nn.Linear) and name not in excluded and name.rsplit(".", 1)[-1] not in excluded
 
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization.granularity import PerGroup, PerRow
+    except ImportError as error:
+        raise ImportError("quantize_weights needs torchao: pip install torchao (or hybridlm[int8])") from error
+    grouped = {name: module for name, module in model.named_modules() if chosen(module, name)} if group_size else {}
+    unfit = [name for name, module in grouped.items()
+             if not isinstance(module, Linear) or module.in_features % group_size]
+    if unfit:
+        raise ValueError(f"quantize_weights: group_size={group_size} does not serve {', '.join(unfit)} (input "
+                         f"features not a multiple of it, or not hybridlm's Linear); keep them in float with "
+                         f"exclude, or choose a group size that divides their inputs")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and "lm_head" not in excluded and head.weight is model.get_input_embeddings().weight:
+        head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)  # untie: the embedding stays
     model.requires_grad_(False)
-    quantize_(model, Int8WeightOnlyConfig(), filter_fn=chosen)
+    granularity = PerRow() if group_size is None else PerGroup(group_size)
+    quantize_(model, Int8WeightOnlyConfig(granularity=granularity), filter_fn=chosen)
+    for module in grouped.values():  # the int8 x int8 product takes symmetric codes: no zero points
+        if module.weight.zero_point is not None and module.weight.zero_point.any():
+            raise RuntimeError("quantize_weights: torchao gave the grouped int8 codes zero points; this torchao "
+                               "version quantizes differently from the one hybridlm supports")
+        module.input_group = group_size
     setattr(model, QUANTIZED_WEIGHTS, bits)
     return model

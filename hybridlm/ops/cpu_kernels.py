@@ -20,8 +20,9 @@ beside it (a library that fails it is built again). Without a compiler the backe
 references run. It serves inference only: a call that needs gradients, packed sequences, float64, or runs inside
 ``torch.compile``, is declined to the reference, as is a convolution of reduced-precision inputs.
 
-The decode-step linear and attention (``linear.cpp``, ``attention.cpp``) are instead the C++ kernels of the
-dispatcher ops ``torch.ops.hybridlm.cpu_linear``, ``cpu_packed_linear`` and ``cpu_attention`` (``torch_ops.cpp``,
+The decode-step linear and attention (``linear.cpp``, ``integer_linear.cpp``, ``attention.cpp``) are instead the
+C++ kernels of the dispatcher ops ``torch.ops.hybridlm.cpu_linear``, ``cpu_packed_linear``, ``cpu_int8_linear``
+and ``cpu_attention`` (``torch_ops.cpp``,
 built against torch's headers into a second library, about 12 s on first use, and loaded by :func:`load_torch_ops`;
 their schemas and fake kernels are defined here): a compiled decode step calls them hundreds of times, and a call
 into C++ from the graph costs ~7 us where one into a Python kernel costs ~25.
@@ -53,7 +54,7 @@ SOURCE_DIR = kernel_sources() / "cpu"
 #: built into one plain C library (ctypes), with the headers beside them
 SOURCES = ("scans.cpp", "conv.cpp")
 #: built against torch's headers into the library of our dispatcher ops' CPU kernels (see load_torch_ops)
-TORCH_OPS_SOURCES = ("torch_ops.cpp", "linear.cpp", "attention.cpp")
+TORCH_OPS_SOURCES = ("torch_ops.cpp", "linear.cpp", "integer_linear.cpp", "attention.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-trapping-math", "-std=c++17", "-shared", "-fPIC")
 CACHE_ENV = "HYBRIDLM_KERNEL_CACHE"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -348,6 +349,7 @@ _ops = torch.library.Library("hybridlm", "FRAGMENT")
 _ops.define("cpu_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? zero_point, Tensor? bias) -> Tensor")
 _ops.define("cpu_packed_linear(Tensor x, Tensor packed, int out_features, Tensor? scale, Tensor? zero_point, "
             "Tensor? bias) -> Tensor")
+_ops.define("cpu_int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias) -> Tensor")
 _ops.define("cpu_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor")
 
 
@@ -358,6 +360,11 @@ def _(x, weight, scale, zero_point, bias):
 
 @torch.library.register_fake("hybridlm::cpu_packed_linear")
 def _(x, packed, out_features, scale, zero_point, bias):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("hybridlm::cpu_int8_linear")
+def _(x, packed, scales, out_features, bias):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -400,6 +407,40 @@ def packed_linear_rows(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     the two agree to rounding."""
     load_torch_ops()
     return torch.ops.hybridlm.cpu_packed_linear(x, packed, out_features, scale, zero_point, bias)
+
+
+def pack_int8_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """int8 ``codes [out, in]`` (``in`` even) in blocks of :data:`PACKED_OUTPUTS` outputs, each feature pair's codes
+    side by side, ``[ceil(out / 16), in / 2, 16, 2]``, the outputs past ``out`` zero: the layout of
+    ``cpu_int8_linear``, which multiplies a pair at a time. Plain tensor ops, folded by inductor's freezing as
+    :func:`pack_linear_weight`'s are."""
+    out, features = codes.shape
+    blocks = -(-out // PACKED_OUTPUTS)
+    padded = F.pad(codes, (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 16, in]
+    pairs = padded.view(blocks, PACKED_OUTPUTS, features // 2, 2)
+    return pairs.permute(0, 2, 1, 3).contiguous()  # [blocks, in / 2, 16, 2]
+
+
+def pack_group_scales(scales: torch.Tensor) -> torch.Tensor:
+    """fp32 ``scales [out, groups]`` (one per output and group of features) in blocks of 16 outputs, ``[ceil(out /
+    16), groups, 16]``: beside :func:`pack_int8_pairs`' codes."""
+    out, groups = scales.shape
+    blocks = -(-out // PACKED_OUTPUTS)
+    padded = F.pad(scales.float(), (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 16, groups]
+    return padded.view(blocks, PACKED_OUTPUTS, groups).transpose(1, 2).contiguous()  # [blocks, groups, 16]
+
+
+def int8_linear_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + bias`` in int8 x int8 products (llama.cpp's Q8_0 scheme; ``integer_linear.cpp``), like ``x``:
+    ``codes [out, in]`` int8 with fp32 ``scales [out, in / group]``, one per output and group of ``group`` features
+    (even); each row of ``x [..., in]`` (fp32 or bf16, CPU) is quantized per group to int8 codes with the scale
+    ``max |x| / 127``, rounded half to even (:func:`hybridlm.ops.activation_groups.quantize_groups`). The group's
+    sums are exact in int32, the groups summed in fp32 and the output rounded once. The op
+    ``torch.ops.hybridlm.cpu_int8_linear`` over the packed codes and scales (packed here, on every call)."""
+    load_torch_ops()
+    return torch.ops.hybridlm.cpu_int8_linear(x, pack_int8_pairs(codes), pack_group_scales(scales), codes.shape[0],
+                                              bias)
 
 
 def _time_major(x: torch.Tensor, name: str, batch: int, time: int, dstate: int) -> torch.Tensor:

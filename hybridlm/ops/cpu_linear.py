@@ -29,8 +29,10 @@ from hybridlm.ops.cpu_features import dtypes_without_cpu_products
 
 #: the most rows (tokens of a step) the kernel serves; more are a prefill, for torch's products
 MAX_ROWS = 16
-#: whether this CPU lacks bf16 products and a C++ compiler can build the kernel (built on first use)
-SERVES_THIS_CPU = torch.bfloat16 in dtypes_without_cpu_products() and cpu_kernels.unavailable_reason() is None
+#: whether a C++ compiler can build the kernels (built on first use): the int8 x int8 product needs nothing more
+SERVES_INT8_PRODUCTS = cpu_kernels.unavailable_reason() is None
+#: whether this CPU also lacks bf16 products, where the bf16 and int8 weight-only kernels pay
+SERVES_THIS_CPU = torch.bfloat16 in dtypes_without_cpu_products() and SERVES_INT8_PRODUCTS
 
 
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -51,6 +53,22 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if parts[1] is not None or x.numel() == x.shape[-1]:
             return None  # int8 codes, or a single row: inductor's own products are as fast as the unpacked op
     return torch.ops.hybridlm.cpu_linear(x, *parts, bias)
+
+
+def int8_groups_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """``F.linear`` of ``x`` quantized per group of features against int8 codes in groups of the same size
+    (:func:`hybridlm.model.quantize_weights` with ``group_size``), in int8 x int8 products through
+    ``cpu_int8_linear``, where it serves the call (CPU, a decode step's few rows, inference), else None: the caller
+    multiplies :func:`hybridlm.ops.activation_groups.round_through_int8_groups`'s input by the dequantized weight.
+    A compiled graph with constant weights packs them once (folded); elsewhere they are packed on every call."""
+    if not (SERVES_INT8_PRODUCTS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+            and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and cpu_kernels.torch_ops_ready()):
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        return None
+    codes, scales = weight.qdata, weight.scale  # [out, in] int8, [out, in / group] fp32
+    packed, packed_scales = cpu_kernels.pack_int8_pairs(codes), cpu_kernels.pack_group_scales(scales)
+    return torch.ops.hybridlm.cpu_int8_linear(x, packed, packed_scales, codes.shape[0], bias)
 
 
 @torch._dynamo.assume_constant_result

@@ -19,6 +19,7 @@
 namespace {
 
 using hybridlm_cpu::bf16_to_float;
+using hybridlm_cpu::float_to_bf16;
 using hybridlm_cpu::Floats;
 using hybridlm_cpu::kLanes;
 using hybridlm_cpu::lane_sum;
@@ -26,14 +27,6 @@ using hybridlm_cpu::load_floats;
 typedef int8_t Bytes __attribute__((vector_size(kLanes)));
 
 enum Kind : int { kFloat32 = 0, kBfloat16 = 1, kInt8 = 2 };
-
-// Round to nearest even, as torch rounds fp32 to bf16 (a NaN stays a NaN).
-inline uint16_t float_to_bf16(float f) {
-  uint32_t word;
-  std::memcpy(&word, &f, 4);
-  if ((word & 0x7fffffffu) > 0x7f800000u) return uint16_t((word >> 16) | 0x40);
-  return uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
-}
 
 // kLanes weights from p, widened to fp32.
 template <int W>

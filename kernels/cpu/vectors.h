@@ -54,4 +54,12 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
+// Round to nearest even, as torch rounds fp32 to bf16 (a NaN stays a NaN).
+inline uint16_t float_to_bf16(float f) {
+  uint32_t word;
+  std::memcpy(&word, &f, 4);
+  if ((word & 0x7fffffffu) > 0x7f800000u) return uint16_t((word >> 16) | 0x40);
+  return uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
+}
+
 }  // namespace hybridlm_cpu

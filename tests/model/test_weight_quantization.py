@@ -12,6 +12,7 @@ from torch import nn
 from hybridlm.decoding.decode_step import DecodeStep
 from hybridlm.decoding.incremental import IncrementalDecoder
 from hybridlm.model import quantize_weights
+from hybridlm.ops.activation_groups import round_through_int8_groups
 from tests.helpers import assert_close_rel, random_ids, relative_error, tiny_model
 
 pytest.importorskip("torchao")
@@ -113,3 +114,47 @@ def test_bad_use_is_a_clear_error(tmp_path):
     assert not (tmp_path / "model").exists()
     with pytest.raises(ValueError, match="bits=4"):
         quantize_weights(tiny_model(layer_pattern="SA"), bits=4)
+
+
+def test_grouped_codes_multiply_the_inputs_rounded_through_their_own_codes():
+    """With ``group_size``, a prefill computes as a float model holding the dequantized weights whose linears each
+    see their input rounded through its int8 codes per group (``round_through_int8_groups``); the weights are
+    within half a step of their group's scale, absmax / 127.5; the result differs from the float model's."""
+    model = tiny_model(layer_pattern="SRA")
+    quantized = quantize_weights(tiny_model(layer_pattern="SRA"), group_size=16)
+    twin = tiny_model(layer_pattern="SRA")
+    twin.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    modules = dict(quantized.named_modules())
+    with torch.no_grad():
+        for name, module in twin.named_modules():
+            if isinstance(module, nn.Linear):
+                weight = modules[name].weight
+                assert weight.scale.shape == (module.out_features, module.in_features // 16)
+                steps = weight.scale.double().repeat_interleave(16, -1)
+                error = (weight.dequantize(torch.float32).double() - module.weight.double()).abs()
+                assert (error <= steps / 2 + 2.0**-22 * module.weight.double().abs()).all()  # + fp32 rounding
+                module.weight.copy_(weight.dequantize(torch.float32))
+                module.register_forward_pre_hook(lambda _, args: (round_through_int8_groups(args[0], 16),))
+        ids = random_ids(2, 24)  # past the decode kernel's 16 rows: the fp32 path
+        got, expected, reference = quantized(ids).logits, twin(ids).logits, model(ids).logits
+    assert_close_rel(got, expected, 1e-5)
+    assert 1e-4 < relative_error(got, reference) < 5e-2
+
+
+def test_compiled_decode_of_grouped_codes_equals_eager_decode():
+    """Eager and compiled steps both multiply in the int8 x int8 op (the compiled one over codes packed once)."""
+    model = quantize_weights(tiny_model(layer_pattern="SRA"), group_size=16)
+    prompts = [[5, 6, 7, 8, 9], [3, 4, 9, 1, 2, 7]]
+    eager = IncrementalDecoder(model).generate(prompts, max_new_tokens=6)
+    compiled = IncrementalDecoder(model, compile=True).generate(prompts, max_new_tokens=6)
+    assert torch.equal(compiled, eager)
+
+
+def test_bad_group_sizes_are_clear_errors():
+    for size in (3, 0, 16.0):
+        with pytest.raises(ValueError, match=f"group_size={size!r}; it takes an even number"):
+            quantize_weights(tiny_model(layer_pattern="SA"), group_size=size)
+    model = tiny_model(layer_pattern=PATTERN)
+    with pytest.raises(ValueError, match=r"group_size=16 does not serve model\.layers\.\d+\.mixer\.\w+"):
+        quantize_weights(model, group_size=16)
+    assert not any(hasattr(module.weight, "qdata") for module in model.modules() if isinstance(module, nn.Linear))
