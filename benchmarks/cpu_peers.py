@@ -16,7 +16,9 @@ The models (each prepared once into ``$PEERS_DIR/models``):
 Each export goes to GGUF through the converter vendored with llama.cpp (``convert_hf_to_gguf.py``; a new
 vocabulary's unknown pre-tokenizer hash is mapped to GPT-2's, docs/formats.md). Precisions: ``f32`` (hybridlm
 fp32; GGUF f32 with an f32 KV cache; vLLM float32), ``bf16`` (hybridlm bf16; GGUF bf16 and f16; vLLM bfloat16)
-and ``int8`` (hybridlm's int8 weight-only linears on the bf16 model; GGUF Q8_0).
+``int8`` (hybridlm's int8 weight-only linears on the bf16 model; GGUF Q8_0) and ``q8`` (hybridlm's int8 codes in
+groups of 32 inputs with the inputs quantized per group, int8 x int8 products, ``quantize_weights(group_size=32)``,
+on the bf16 model: Q8_0's scheme; GGUF Q8_0).
 
 Measured for each model, precision and thread count:
 
@@ -68,9 +70,9 @@ EXPORTS = {"hybrid": "bamba", "lfm2": "lfm2", "mamba2": "mamba2", "smollm2": "ll
 PRESETS = {"lfm2": ("lfm2-small", {"tie_word_embeddings": True}), "mamba2": ("mamba2-lm-small", {})}
 #: the models' folder names under $PEERS_DIR (a new name when a model changes, so no stale copy is reused)
 CACHED_NAMES = {"lfm2": "lfm2-tied"}
-GGUF_TYPES = {"f32": ["f32"], "bf16": ["bf16", "f16"], "int8": ["q8_0"]}
+GGUF_TYPES = {"f32": ["f32"], "bf16": ["bf16", "f16"], "int8": ["q8_0"], "q8": ["q8_0"]}
 VLLM_DTYPES = {"f32": "fp32", "bf16": "bf16"}
-TORCH_PRECISIONS = ("f32", "bf16")  # what transformers runs (int8 is hybridlm's own quantize_weights)
+TORCH_PRECISIONS = ("f32", "bf16")  # what transformers runs (int8 and q8 are hybridlm's own quantize_weights)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 CONVERT = """
 import sys, runpy
@@ -386,7 +388,8 @@ def main() -> None:
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 record = {"model": name, "format": EXPORTS[name], "precision": precision, "threads": threads}
-                max_length = max(args.contexts + args.prefill) + sum(map(sum, turns)) + args.new_tokens + 2
+                longest = max(args.contexts + args.prefill + [args.kl_tokens])  # the KL's row runs from an empty cache
+                max_length = longest + sum(map(sum, turns)) + args.new_tokens + 2
                 engines_at = functools.partial(make_engines, with_llama_cpp, name, directory, precision, threads,
                                                max_length, args=args)
                 engines = engines_at(1)

@@ -81,13 +81,14 @@ class SteppedEngine:
 class HybridlmEngine(SteppedEngine):
     """``directory`` loaded by hybridlm at ``dtype`` (int8: int8 weight-only linears,
     :func:`~hybridlm.model.quantize_weights`, on the bf16 model: compiled, inductor multiplies the int8 codes by the
-    bf16 inputs in its weight-only GEMM, where on an fp32 model its freezing folds the codes back into fp32 weights)."""
+    bf16 inputs in its weight-only GEMM, where on an fp32 model its freezing folds the codes back into fp32 weights;
+    q8: int8 codes in groups of 32 inputs and the inputs quantized per group, on the bf16 model)."""
 
     def __init__(self, directory: Path, dtype: str, headroom: int, compiled: bool, mode: str | None = None):
         torch_dtype = torch.float32 if dtype == "f32" else torch.bfloat16
         self.model = hybridlm.HybridForCausalLM.from_pretrained(directory, dtype=torch_dtype).eval()
-        if dtype == "int8":
-            hybridlm.model.quantize_weights(self.model)
+        if dtype in ("int8", "q8"):
+            hybridlm.model.quantize_weights(self.model, group_size=32 if dtype == "q8" else None)
         self.headroom = headroom  # the static cache holds the prompt and this many more tokens
         self.step_fn = DecodeStep(self.model, compile=compiled, mode=mode)
         self.cache = None
@@ -192,7 +193,7 @@ class LlamaCppEngine(SteppedEngine):
         if not self.ctx:
             raise RuntimeError(f"llama.cpp could not make a context for {gguf} (n_ctx {params.n_ctx}, {batch} seqs)")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        self.chunk = params.n_batch
+        self.chunk = llama_cpp.llama_n_batch(self.ctx)  # n_batch as the context took it (at most n_ctx)
         self.batch_buffer = llama_cpp.llama_batch_init(max(self.chunk, batch), 0, batch)
         self.positions: list[int] = []
 

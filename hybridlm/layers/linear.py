@@ -8,6 +8,10 @@ eager product falls back to a slow path, several times slower than fp32. So:
   multiplied, and the output rounded once to the model's dtype (the same fp32 accumulation the native products
   do).
 
+Codes in groups (``quantize_weights(group_size=...)``, :attr:`Linear.input_group`) multiply the input quantized in
+the same groups, on any CPU: a decode step in int8 x int8 products (``cpu_linear.int8_groups_linear``), more rows
+(or another device) in fp32 on the input rounded through its codes and the dequantized weight.
+
 Measured on an AVX2 AMD EPYC, 1 thread, SmolLM2-135M's weights in bf16 (``benchmarks/cpu_linear.py``, medians,
 docs/performance.md): 1,536 x 576 took 878 us in bf16 against 634 us copied at 4 rows, 48.4 against 6.2 ms at
 256 rows (a prefill); at 3 rows the two were level (0.91-1.33x over three shapes), and at 1 row (a decode

@@ -16,16 +16,17 @@ The sources have a plain C interface and no torch headers, so the system C++ com
 ``g++`` or ``clang++``) builds them in about a second on first use, for this CPU (``-march=native``). The library
 is cached under ``$HYBRIDLM_KERNEL_CACHE`` (default ``~/.cache/hybridlm/kernels``), named by a digest of the
 sources, the flags, the compiler and this CPU's features, written aside and renamed into place, with its sha256
-beside it (a library that fails it is built again). Without a compiler the backend is unavailable and the
-references run. It serves inference only: a call that needs gradients, packed sequences, float64, or runs inside
-``torch.compile``, is declined to the reference, as is a convolution of reduced-precision inputs.
+beside it (a library that fails it, or passes it and does not load, is built again). Without a compiler the
+backend is unavailable and the references run. It serves inference only: a call that needs gradients, packed
+sequences, float64, or runs inside ``torch.compile``, is declined to the reference, as is a convolution of
+reduced-precision inputs.
 
-The decode-step linear and attention (``linear.cpp``, ``integer_linear.cpp``, ``attention.cpp``) are instead the
+The decode-step linears and attention (``linear.cpp``, ``integer_linear.cpp``, ``attention.cpp``) are instead the
 C++ kernels of the dispatcher ops ``torch.ops.hybridlm.cpu_linear``, ``cpu_packed_linear``, ``cpu_int8_linear``
-and ``cpu_attention`` (``torch_ops.cpp``,
-built against torch's headers into a second library, about 12 s on first use, and loaded by :func:`load_torch_ops`;
-their schemas and fake kernels are defined here): a compiled decode step calls them hundreds of times, and a call
-into C++ from the graph costs ~7 us where one into a Python kernel costs ~25.
+and ``cpu_attention`` (``torch_ops.cpp``, built against torch's headers into a second library, about 12 s on first
+use, and loaded by :func:`load_torch_ops`; their schemas and fake kernels are defined here): a compiled decode
+step calls them hundreds of times, and a call into C++ from the graph costs ~7 us where one into a Python kernel
+costs ~25.
 """
 
 from __future__ import annotations
@@ -111,20 +112,14 @@ def library_path(name: str = "cpu_kernels", flags: tuple[str, ...] | None = None
 
 
 def load_library() -> ctypes.CDLL:
-    """The built library, building it on first use (or again when the cached one fails its digest); raises
-    naming the file and the compiler's output."""
+    """The built library, building it on first use (or again when the cached one fails its digest or does not
+    load); raises naming the file and the compiler's output."""
     global _library
     if _library is None:
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"hybridlm CPU kernels: {reason}")
-        path = library_path()
-        if not _intact(path):
-            _build(path, SOURCES, FLAGS)
-        try:
-            library = ctypes.CDLL(str(path))
-        except OSError as error:
-            raise RuntimeError(f"hybridlm CPU kernels: cannot load {path} ({error}); delete it to rebuild") from None
+        library = _load_built(library_path(), SOURCES, FLAGS, ctypes.CDLL)
         library.ssd_scan_f32.argtypes = [_POINTER] * 8 + [_INT] * 7
         library.selective_scan_f32.argtypes = [_POINTER] * 7 + [_INT] * 6
         library.gated_delta_rule_f32.argtypes = [_POINTER] * 7 + [ctypes.c_float] + [_INT] * 8
@@ -134,6 +129,21 @@ def load_library() -> ctypes.CDLL:
             function.restype = None
         _library = library
     return _library
+
+
+def _load_built(path: Path, sources: tuple[str, ...], flags: tuple[str, ...], load):
+    """``load(path)`` of the library built from ``sources``: built first where the cache lacks it or it fails its
+    digest, and built again once where a whole one does not load (e.g. a system library it links has changed)."""
+    if not _intact(path):
+        _build(path, sources, flags)
+    try:
+        return load(str(path))
+    except OSError:
+        _build(path, sources, flags)
+    try:
+        return load(str(path))
+    except OSError as error:
+        raise RuntimeError(f"hybridlm CPU kernels: cannot load {path}, even rebuilt ({error})") from None
 
 
 def _digest_file(path: Path) -> Path:
@@ -191,12 +201,7 @@ def load_torch_ops() -> None:
         raise RuntimeError(f"hybridlm CPU kernels: {reason}")
     flags = _torch_flags()
     path = library_path(f"torch_ops-{torch.__version__}", flags)  # built against this torch's headers
-    if not _intact(path):
-        _build(path, TORCH_OPS_SOURCES, flags)
-    try:
-        torch.ops.load_library(str(path))
-    except OSError as error:
-        raise RuntimeError(f"hybridlm CPU kernels: cannot load {path} ({error}); delete it to rebuild") from None
+    _load_built(path, TORCH_OPS_SOURCES, flags, torch.ops.load_library)
     _torch_ops_loaded = True
 
 

@@ -18,6 +18,13 @@ unpacked op for bf16 rows): bf16 batch 1 19.8 / 20.8 against 22.4 / 24.3 ms, bat
 graph whose weights are inputs, a single row and int8 codes are left to inductor's products, which take a bf16
 weight by one row and torchao's codes (ATen's int8 kernels) at least as fast as the unpacked op. Inference only:
 a product that needs gradients keeps torch's.
+
+Codes in groups with the inputs quantized per group (``quantize_weights(group_size=32)``: llama.cpp's Q8_0 scheme)
+go to :func:`int8_groups_linear`, int8 x int8 products (``kernels/cpu/integer_linear.cpp``) on any CPU the kernels
+build on: 16 codes widen to int16 in one instruction and multiply-add in pairs in one more, where the weight-only
+codes above take about four instructions per 8 to reach fp32. SmolLM2-135M's 211 products of a batch-1 step, 1
+thread, profiled in the compiled step (one process after the other): 71.9 us a call against the weight-only
+packed op's 98.7.
 """
 
 from __future__ import annotations

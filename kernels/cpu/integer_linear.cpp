@@ -36,7 +36,8 @@ inline Ints widen_pairs(const int8_t* p) {
   return (Ints)_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
   Ints v;
-  for (int i = 0; i < kLanes; ++i) v[i] = int32_t(uint16_t(int16_t(p[2 * i]))) | int32_t(uint32_t(int16_t(p[2 * i + 1])) << 16);
+  for (int i = 0; i < kLanes; ++i)
+    v[i] = int32_t(uint16_t(int16_t(p[2 * i]))) | int32_t(uint32_t(int16_t(p[2 * i + 1])) << 16);
   return v;
 #endif
 }
@@ -109,7 +110,8 @@ void block(const Args& a, int64_t b, int64_t m0) {
 void quantize_row(const void* x, bool x_bf16, int64_t m, int64_t in, int64_t group, int16_t* qx, float* sx) {
   std::vector<float> row(in);
   for (int64_t k = 0; k < in; ++k)
-    row[k] = x_bf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[m * in + k]) : static_cast<const float*>(x)[m * in + k];
+    row[k] = x_bf16 ? bf16_to_float(static_cast<const uint16_t*>(x)[m * in + k])
+                    : static_cast<const float*>(x)[m * in + k];
   for (int64_t g = 0; g < in / group; ++g) {
     float largest = 0.f;
     for (int64_t k = g * group; k < (g + 1) * group; ++k) largest = std::max(largest, std::fabs(row[k]));

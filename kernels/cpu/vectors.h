@@ -1,6 +1,6 @@
-// fp32 vectors of the CPU kernels (linear.cpp, attention.cpp), as GCC vector extensions: the compiler maps them
-// to AVX2 (or splits them for narrower units), with intrinsics only where a widening has no portable spelling as
-// fast.
+// fp32 vectors of the CPU kernels (linear.cpp, integer_linear.cpp, attention.cpp), as GCC vector extensions: the
+// compiler maps them to AVX2 (or splits them for narrower units), with intrinsics only where a widening has no
+// portable spelling as fast.
 #pragma once
 
 #include <cstdint>

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridlm import ops
+from hybridlm.files import sha256_of
 from hybridlm.ops import backends, cpu_kernels
 from hybridlm.ops.causal_conv1d import causal_conv1d_ref
 from hybridlm.ops.delta_rule import gated_delta_rule_ref
@@ -429,6 +430,22 @@ def test_build_writes_the_library_and_its_digest_and_rebuilds_a_corrupted_one(fr
     library = cpu_kernels.load_library()
     assert cpu_kernels._intact(path) and path.stat().st_size > 1000
     inputs = ssd_inputs(1, 9, 1, 1, 4, 3, seed=6)
+    monkeypatch.setattr(cpu_kernels, "_library", library)
+    assert_close_rel(cpu_kernels.ssd_chunk_scan(*inputs[:5], 8, inputs[5], initial_state=inputs[6])[0],
+                     exact(*inputs)[0])
+
+
+def test_a_library_that_passes_its_digest_but_does_not_load_is_rebuilt(fresh_cache, monkeypatch):
+    """A cached library whose digest matches but which the loader refuses (here: bytes that are no library, with
+    their own digest written beside them) is built again, once, and then serves."""
+    path = cpu_kernels.library_path()
+    fresh_cache.mkdir(exist_ok=True)
+    path.write_bytes(b"not a shared library")
+    cpu_kernels._digest_file(path).write_text(sha256_of(path))
+    assert cpu_kernels._intact(path)
+    library = cpu_kernels.load_library()
+    assert cpu_kernels._intact(path) and path.stat().st_size > 1000
+    inputs = ssd_inputs(1, 9, 1, 1, 4, 3, seed=7)
     monkeypatch.setattr(cpu_kernels, "_library", library)
     assert_close_rel(cpu_kernels.ssd_chunk_scan(*inputs[:5], 8, inputs[5], initial_state=inputs[6])[0],
                      exact(*inputs)[0])
