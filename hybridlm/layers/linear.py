@@ -9,8 +9,8 @@ eager product falls back to a slow path, several times slower than fp32. So:
   do).
 
 Codes in groups (``quantize_weights(group_size=...)``, :attr:`Linear.input_group`) multiply the input quantized in
-the same groups, on any CPU: a decode step in int8 x int8 products (``cpu_linear.int8_groups_linear``), more rows
-(or another device) in fp32 on the input rounded through its codes and the dequantized weight.
+the same groups: on a CPU in int8 x int8 products (``cpu_linear.int8_groups_linear``), elsewhere in fp32 on the
+input rounded through its codes and the dequantized weight.
 
 Measured on an AVX2 AMD EPYC, 1 thread, SmolLM2-135M's weights in bf16 (``benchmarks/cpu_linear.py``, medians,
 docs/performance.md): 1,536 x 576 took 878 us in bf16 against 634 us copied at 4 rows, 48.4 against 6.2 ms at
@@ -60,8 +60,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _int8_product(self, x: torch.Tensor) -> torch.Tensor:
-        """The int8 x int8 product: the kernel's for a decode step on the CPU, else the same arithmetic in fp32 (the
-        input rounded through its int8 codes, the weight dequantized), rounded once to ``x``'s dtype."""
+        """The int8 x int8 product: the kernel's on the CPU, else the same arithmetic in fp32 (the input rounded
+        through its int8 codes, the weight dequantized), rounded once to ``x``'s dtype."""
         y = int8_groups_linear(x, self.weight, self.bias)
         if y is not None:
             return y

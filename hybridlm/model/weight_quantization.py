@@ -13,10 +13,10 @@ the codes of a decode step go to our kernel (:mod:`hybridlm.ops.cpu_linear`), wh
 
 With ``group_size`` (32: llama.cpp's Q8_0 scheme) each weight row has one scale per group of that many input
 features (torchao's ``PerGroup``), and each linear quantizes its input per group of the same features at every
-product, ``scale = max |x| / 127``, codes rounded half to even (:mod:`hybridlm.ops.activation_groups`): a decode
-step on the CPU multiplies the two in int8 x int8, each group's sum exact in int32
-(:func:`hybridlm.ops.cpu_linear.int8_groups_linear`, any CPU the kernels build on), and other products compute the
-same in fp32. On SmolLM2-135M (512 held-out tokens, next-token KL to fp32): 4.96e-3 nats on the fp32 model, 6.56e-3
+product, ``scale = max |x| / 127``, codes rounded half to even (:mod:`hybridlm.ops.activation_groups`): on a CPU
+the two are multiplied in int8 x int8, each group's sum exact in int32
+(:func:`hybridlm.ops.cpu_linear.int8_groups_linear`, any CPU the kernels build on); elsewhere the same is computed
+in fp32. On SmolLM2-135M (512 held-out tokens, next-token KL to fp32): 4.96e-3 nats on the fp32 model, 6.56e-3
 on the bf16 one (per-row weight-only codes: 4.99e-3 and 6.44e-3; llama.cpp's Q8_0 4.76e-3).
 
 A mixer that reads a projection's weight itself rather than calling the module (``Mixer.weights_read_directly``:

@@ -1,6 +1,6 @@
 """The inputs of a product quantized to int8 per group of features, as llama.cpp's Q8_0 quantizes activations: the
 reference of the int8 x int8 linear (``cpu_kernels.int8_linear_rows``), which quantizes inside its C++ kernel, and
-the path of the products it does not serve (prefill rows, other devices). A group's scale is ``max |x| / 127``
+the path of the products it does not serve (other devices, or no C++ compiler). A group's scale is ``max |x| / 127``
 and its codes ``round(x / scale)``, half to even, in [-127, 127] (0 where the group is all zero), all in fp32."""
 
 from __future__ import annotations

@@ -65,11 +65,13 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def int8_groups_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
     """``F.linear`` of ``x`` quantized per group of features against int8 codes in groups of the same size
     (:func:`hybridlm.model.quantize_weights` with ``group_size``), in int8 x int8 products through
-    ``cpu_int8_linear``, where it serves the call (CPU, a decode step's few rows, inference), else None: the caller
-    multiplies :func:`hybridlm.ops.activation_groups.round_through_int8_groups`'s input by the dequantized weight.
-    A compiled graph with constant weights packs them once (folded); elsewhere they are packed on every call."""
+    ``cpu_int8_linear``, where it serves the call (CPU, inference), else None: the caller multiplies
+    :func:`hybridlm.ops.activation_groups.round_through_int8_groups`'s input by the dequantized weight. A compiled
+    graph with constant weights packs them once (folded); elsewhere they are packed on every call. Prefill rows go
+    to the kernel too: 256 rows of SmolLM2's 1,536 x 576 (bf16, 1 thread) took 4.2 ms against 6.8 for that fp32
+    path and 5.6 for its fp32 product alone (108 against 81 GFLOP/s)."""
     if not (SERVES_INT8_PRODUCTS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
-            and 0 < x.numel() <= MAX_ROWS * x.shape[-1] and cpu_kernels.torch_ops_ready()):
+            and x.numel() > 0 and cpu_kernels.torch_ops_ready()):
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return None

@@ -137,11 +137,12 @@ int int8_linear_rows(const void* x, int64_t x_bf16, const int8_t* packed, const 
   if (group <= 0 || group % 2 || in % group) return -1;
   std::vector<int16_t> qx(rows * in);
   std::vector<float> sx(rows * (in / group));
-  for (int64_t m = 0; m < rows; ++m) quantize_row(x, x_bf16 != 0, m, in, group, qx.data(), sx.data());
-  const Args a{qx.data(), sx.data(), packed, scales, bias, y, rows, in, out, group, x_bf16 != 0};
   const int64_t blocks = (out + kBlockOutputs - 1) / kBlockOutputs;
   // Threads split the blocks of outputs (each read from memory once); a second thread from 2^16 weights per thread.
   const int64_t useful = std::max<int64_t>(1, std::min<int64_t>(threads, out * in >> 16));
+#pragma omp parallel for num_threads(useful) schedule(static) if (rows >= 16)
+  for (int64_t m = 0; m < rows; ++m) quantize_row(x, x_bf16 != 0, m, in, group, qx.data(), sx.data());
+  const Args a{qx.data(), sx.data(), packed, scales, bias, y, rows, in, out, group, x_bf16 != 0};
 #pragma omp parallel for num_threads(useful) schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t m = 0;

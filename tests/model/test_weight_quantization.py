@@ -117,8 +117,8 @@ def test_bad_use_is_a_clear_error(tmp_path):
 
 
 def test_grouped_codes_multiply_the_inputs_rounded_through_their_own_codes():
-    """With ``group_size``, a prefill computes as a float model holding the dequantized weights whose linears each
-    see their input rounded through its int8 codes per group (``round_through_int8_groups``); the weights are
+    """With ``group_size``, a prefill (int8 x int8 products) computes as a float model holding the dequantized
+    weights whose linears each see their input rounded through its int8 codes per group; the weights are
     within half a step of their group's scale, absmax / 127.5; the result differs from the float model's."""
     model = tiny_model(layer_pattern="SRA")
     quantized = quantize_weights(tiny_model(layer_pattern="SRA"), group_size=16)
@@ -135,7 +135,7 @@ def test_grouped_codes_multiply_the_inputs_rounded_through_their_own_codes():
                 assert (error <= steps / 2 + 2.0**-22 * module.weight.double().abs()).all()  # + fp32 rounding
                 module.weight.copy_(weight.dequantize(torch.float32))
                 module.register_forward_pre_hook(lambda _, args: (round_through_int8_groups(args[0], 16),))
-        ids = random_ids(2, 24)  # past the decode kernel's 16 rows: the fp32 path
+        ids = random_ids(2, 24)
         got, expected, reference = quantized(ids).logits, twin(ids).logits, model(ids).logits
     assert_close_rel(got, expected, 1e-5)
     assert 1e-4 < relative_error(got, reference) < 5e-2

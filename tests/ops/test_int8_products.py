@@ -6,6 +6,7 @@ the packing folded into constants; where :class:`hybridlm.layers.linear.Linear` 
 from __future__ import annotations
 
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from hybridlm.layers.linear import Linear
 from hybridlm.model import quantize_weights
-from hybridlm.ops import cpu_kernels
+from hybridlm.ops import cpu_kernels, cpu_linear
 from hybridlm.ops.activation_groups import quantize_groups, round_through_int8_groups
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
@@ -115,7 +116,7 @@ def test_packed_layout_is_pairs_of_features_in_blocks_of_16_outputs():
     assert (packed[2, :, 5:] == 0).all() and (packed_scales[2, :, 5:] == 0).all()  # outputs 37..47: padding
 
 
-@pytest.mark.parametrize("rows", [1, 7])
+@pytest.mark.parametrize("rows", [1, 7, 40])  # 40: the rows are quantized by several threads too
 def test_threads_give_the_same_bits(rows):
     codes, scales = random_codes(700, 256, 32, torch.Generator().manual_seed(1))
     x = torch.randn(rows, 256).bfloat16()
@@ -140,21 +141,22 @@ def grouped_linear(in_features=64, out_features=40, group=32, dtype=torch.bfloat
     return holder.proj
 
 
-def test_linear_takes_the_op_for_a_step_and_the_reference_for_a_prefill():
-    """Up to 16 rows the layer's product is the op's; past them the same arithmetic in fp32 (the input rounded
-    through its codes, the weight dequantized). The two agree within fp32 sums and the bf16 output's rounding."""
+@pytest.mark.parametrize("serves", [True, False])
+def test_linear_takes_the_op_on_the_cpu_and_else_the_same_arithmetic_in_fp32(serves):
+    """On the CPU every product (a step's rows or a prefill's) is the op's; where the op does not serve, the input
+    rounded through its codes times the dequantized weight in fp32. Both are the float64 product of the codes
+    within fp32 sums and the bf16 output's rounding."""
     layer = grouped_linear()
     x = torch.randn(20, 64).bfloat16()
-    with torch.no_grad():
-        step = layer(x[:3])
-        prefill = layer(x)
+    with torch.no_grad(), mock.patch.object(cpu_linear, "SERVES_INT8_PRODUCTS", serves):
+        y = layer(x)
     weight = layer.weight
-    assert torch.equal(step, cpu_kernels.int8_linear_rows(x[:3], weight.qdata, weight.scale, layer.bias))
+    if serves:
+        assert torch.equal(y, cpu_kernels.int8_linear_rows(x, weight.qdata, weight.scale, layer.bias))
     expected = (round_through_int8_groups(x, 32).double() @ weight.dequantize(torch.float32).double().T
                 + layer.bias.double())
-    assert (prefill.double() - expected).abs().max() <= 2 * BF16_EPS * expected.abs().max()
-    assert (prefill[:3].double() - step.double()).abs().max() <= 2 * BF16_EPS * expected.abs().max()
     assert expected.abs().max() > 0.1
+    assert (y.double() - expected).abs().max() <= 2 * BF16_EPS * expected.abs().max()
 
 
 def test_inductor_folds_the_packing_into_constants():
