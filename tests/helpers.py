@@ -54,3 +54,16 @@ def assert_close_rel(got: torch.Tensor, expected: torch.Tensor, rel: float = 1e-
 
 def random_ids(batch: int, length: int, vocab: int = TINY["vocab_size"], seed: int = 0, low: int = 1) -> torch.Tensor:
     return torch.randint(low, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def on_one_and_two_threads(compute):
+    """``(compute() at 1 torch thread, compute() at 2)``, the thread count restored after: for kernels whose threads
+    must give the same bits."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = compute()
+        torch.set_num_threads(2)
+        return one, compute()
+    finally:
+        torch.set_num_threads(threads)

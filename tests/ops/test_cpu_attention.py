@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridlm.ops import cpu_kernels
+from tests.helpers import on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
                                 reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
@@ -84,14 +85,7 @@ def test_threads_give_the_same_bits():
     g = torch.Generator().manual_seed(2)
     q = torch.randn(4, 8, 2, 64, generator=g).bfloat16()
     k, v = cache_views(4, 4, 512, 64, 64, g)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_kernels.grouped_attention(q, k, v)
-        torch.set_num_threads(2)
-        two = cpu_kernels.grouped_attention(q, k, v)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(lambda: cpu_kernels.grouped_attention(q, k, v))
     assert torch.equal(one, two)
 
 

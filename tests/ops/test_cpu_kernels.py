@@ -418,6 +418,15 @@ def fresh_cache(tmp_path, monkeypatch):
     return tmp_path
 
 
+def assert_the_library_serves(path, library, monkeypatch):
+    """``path`` is whole again (its digest beside it), and ``library``, loaded from it, runs the SSD exactly."""
+    assert cpu_kernels._intact(path) and path.stat().st_size > 1000
+    inputs = ssd_inputs(1, 9, 1, 1, 4, 3, seed=6)
+    monkeypatch.setattr(cpu_kernels, "_library", library)
+    assert_close_rel(cpu_kernels.ssd_chunk_scan(*inputs[:5], 8, inputs[5], initial_state=inputs[6])[0],
+                     exact(*inputs)[0])
+
+
 def test_build_writes_the_library_and_its_digest_and_rebuilds_a_corrupted_one(fresh_cache, monkeypatch):
     path = cpu_kernels.library_path()
     assert path.parent == fresh_cache and path.name.startswith("cpu_kernels-")
@@ -427,12 +436,7 @@ def test_build_writes_the_library_and_its_digest_and_rebuilds_a_corrupted_one(fr
     truncated.write_bytes(path.read_bytes()[:1000])
     truncated.replace(path)  # a new file: the library this process has mapped stays whole (in place: SIGBUS)
     monkeypatch.setattr(cpu_kernels, "_library", None)
-    library = cpu_kernels.load_library()
-    assert cpu_kernels._intact(path) and path.stat().st_size > 1000
-    inputs = ssd_inputs(1, 9, 1, 1, 4, 3, seed=6)
-    monkeypatch.setattr(cpu_kernels, "_library", library)
-    assert_close_rel(cpu_kernels.ssd_chunk_scan(*inputs[:5], 8, inputs[5], initial_state=inputs[6])[0],
-                     exact(*inputs)[0])
+    assert_the_library_serves(path, cpu_kernels.load_library(), monkeypatch)
 
 
 def test_a_library_that_passes_its_digest_but_does_not_load_is_rebuilt(fresh_cache, monkeypatch):
@@ -443,12 +447,7 @@ def test_a_library_that_passes_its_digest_but_does_not_load_is_rebuilt(fresh_cac
     path.write_bytes(b"not a shared library")
     cpu_kernels._digest_file(path).write_text(sha256_of(path))
     assert cpu_kernels._intact(path)
-    library = cpu_kernels.load_library()
-    assert cpu_kernels._intact(path) and path.stat().st_size > 1000
-    inputs = ssd_inputs(1, 9, 1, 1, 4, 3, seed=7)
-    monkeypatch.setattr(cpu_kernels, "_library", library)
-    assert_close_rel(cpu_kernels.ssd_chunk_scan(*inputs[:5], 8, inputs[5], initial_state=inputs[6])[0],
-                     exact(*inputs)[0])
+    assert_the_library_serves(path, cpu_kernels.load_library(), monkeypatch)
 
 
 def test_the_cache_name_follows_the_sources_flags_compiler_and_cpu(fresh_cache, tmp_path, monkeypatch):

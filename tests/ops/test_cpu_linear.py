@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from hybridlm.layers.linear import Linear
 from hybridlm.ops import cpu_kernels, cpu_linear
+from tests.helpers import on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
                                 reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
@@ -113,14 +114,7 @@ def test_threads_give_the_same_bits(rows, packed):
     g = torch.Generator().manual_seed(2)
     weight, scale, zero, _ = random_weight(512, 512, "int8-zero", g)
     x = torch.randn(rows, 512, generator=g)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = product(x, weight, scale, zero, None, packed)
-        torch.set_num_threads(2)
-        two = product(x, weight, scale, zero, None, packed)
-    finally:
-        torch.set_num_threads(threads)
+    one, two = on_one_and_two_threads(lambda: product(x, weight, scale, zero, None, packed))
     assert torch.equal(one, two)
 
 

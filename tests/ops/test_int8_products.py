@@ -18,6 +18,7 @@ from hybridlm.layers.linear import Linear
 from hybridlm.model import quantize_weights
 from hybridlm.ops import cpu_kernels, cpu_linear
 from hybridlm.ops.activation_groups import quantize_groups, round_through_int8_groups
+from tests.helpers import on_one_and_two_threads
 
 pytestmark = pytest.mark.skipif(cpu_kernels.unavailable_reason() is not None,
                                 reason=f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
@@ -120,14 +121,7 @@ def test_packed_layout_is_pairs_of_features_in_blocks_of_16_outputs():
 def test_threads_give_the_same_bits(rows):
     codes, scales = random_codes(700, 256, 32, torch.Generator().manual_seed(1))
     x = torch.randn(rows, 256).bfloat16()
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_kernels.int8_linear_rows(x, codes, scales)
-        torch.set_num_threads(2)
-        two = cpu_kernels.int8_linear_rows(x, codes, scales)
-    finally:
-        torch.set_num_threads(before)
+    one, two = on_one_and_two_threads(lambda: cpu_kernels.int8_linear_rows(x, codes, scales))
     assert one.abs().max() > 0.1 and torch.equal(one, two)
 
 
