@@ -394,10 +394,10 @@ PACKED_OUTPUTS = 16
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` (bf16, or int8 codes) in blocks of :data:`PACKED_OUTPUTS` outputs, ``[ceil(out / 16),
-    in, 16]``, the outputs past ``out`` zero: the layout of ``cpu_packed_linear``, whose threads each read their
-    blocks as one stream. Plain tensor ops, so that inductor's freezing folds them into a constant of the graph
-    where the weight is one."""
+    """``weight [out, in]`` (bf16, int8 codes, or their group scales) in blocks of :data:`PACKED_OUTPUTS` outputs,
+    ``[ceil(out / 16), in, 16]``, the outputs past ``out`` zero: the layout of ``cpu_packed_linear``, whose threads
+    each read their blocks as one stream. Plain tensor ops, so that inductor's freezing folds them into a constant
+    of the graph where the weight is one."""
     out, features = weight.shape
     blocks = -(-out // PACKED_OUTPUTS)
     padded = F.pad(weight, (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 16, in]
@@ -428,11 +428,8 @@ def pack_int8_pairs(codes: torch.Tensor) -> torch.Tensor:
 
 def pack_group_scales(scales: torch.Tensor) -> torch.Tensor:
     """fp32 ``scales [out, groups]`` (one per output and group of features) in blocks of 16 outputs, ``[ceil(out /
-    16), groups, 16]``: beside :func:`pack_int8_pairs`' codes."""
-    out, groups = scales.shape
-    blocks = -(-out // PACKED_OUTPUTS)
-    padded = F.pad(scales.float(), (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 16, groups]
-    return padded.view(blocks, PACKED_OUTPUTS, groups).transpose(1, 2).contiguous()  # [blocks, groups, 16]
+    16), groups, 16]``, beside :func:`pack_int8_pairs`' codes: :func:`pack_linear_weight`'s layout."""
+    return pack_linear_weight(scales.float())
 
 
 def int8_linear_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
