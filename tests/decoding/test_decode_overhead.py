@@ -238,15 +238,14 @@ def test_a_compile_mode_needs_compile_and_a_known_name():
         IncrementalDecoder(model, compile="fastest")
 
 
-@pytest.mark.slow  # inductor times its C++ matmul templates for each weight shape: about a minute
+@pytest.mark.slow  # inductor times its C++ matmul templates for each weight shape: about half a minute
 @torch.no_grad()
 def test_a_max_autotune_step_equals_eager():
-    model = tiny_model(layer_pattern="AS", mlp_types=["dense", "none"])
-    prompts = [[5, 6, 7, 8], [3, 4]]
-    eager = IncrementalDecoder(model).generate(prompts, max_new_tokens=5)
+    """One layer and one compile (autotuning times every product's shape); the generated tokens of compiled
+    steps are compared with eager ones in the tests above."""
+    model = tiny_model(layer_pattern="A", mlp_types=["none"])
     compiled = IncrementalDecoder(model, compile="max-autotune-no-cudagraphs")
     assert compiled.decode_step._mode == "max-autotune-no-cudagraphs"
-    assert torch.equal(compiled.generate(prompts, max_new_tokens=5), eager)
     ids = random_ids(2, 8)
     cache = model.new_cache(2, max_length=256, static=True)
     model(ids[:, :6], cache=cache)
