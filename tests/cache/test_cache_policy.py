@@ -109,7 +109,7 @@ def test_h2o_keeps_the_recent_window_and_the_heaviest_tokens():
             assert sorted(state.slots[0, 0].tolist()) == kept
 
 
-def test_memory_is_constant_over_ten_thousand_decoded_tokens():
+def test_memory_is_constant_over_five_thousand_decoded_tokens():
     mixer, config = attention_mixer(hidden_size=16, num_attention_heads=2, num_key_value_heads=1)
     layouts = [SinkWindowKV.empty(1, 1, config.head_dim, sinks=4, window=16),
                HeavyHitterKV.empty(1, 1, config.head_dim, heavy=8, window=8),
@@ -118,12 +118,12 @@ def test_memory_is_constant_over_ten_thousand_decoded_tokens():
     with torch.no_grad():
         for state in layouts:
             sizes = set()
-            for step in range(10_000):
+            for step in range(5_000):  # past 4,096: a doubling reallocation would show
                 mixer(x, state)
                 if step >= 32:
                     sizes.add(state.nbytes())
-            assert sizes == {state.predicted_nbytes(10_000)}, type(state).__name__
-            assert state.seen == 10_000
+            assert sizes == {state.predicted_nbytes(5_000)}, type(state).__name__
+            assert state.seen == 5_000
 
 
 def test_ring_window_decodes_in_place_and_equals_the_parallel_form():

@@ -80,7 +80,7 @@ def test_compiled_decode_of_a_bf16_quantized_model_follows_its_eager_decode():
     """On a bf16 model the compiled step multiplies the int8 codes by bf16 inputs in inductor's weight-only GEMM (on
     fp32 it folds them back into float weights): teacher-forced, its logits are the eager step's within four bf16
     roundings of the largest."""
-    model = quantize_weights(tiny_model(layer_pattern="SRA").to(torch.bfloat16))
+    model = quantize_weights(tiny_model(layer_pattern="SA").to(torch.bfloat16))
     prompt, tokens = random_ids(2, 5), random_ids(2, 4, seed=1)
     eager, compiled = DecodeStep(model), DecodeStep(model, compile=True)
     caches = [model.new_cache(2, max_length=12, static=True) for _ in range(2)]
@@ -143,7 +143,7 @@ def test_grouped_codes_multiply_the_inputs_rounded_through_their_own_codes():
 
 def test_compiled_decode_of_grouped_codes_equals_eager_decode():
     """Eager and compiled steps both multiply in the int8 x int8 op (the compiled one over codes packed once)."""
-    model = quantize_weights(tiny_model(layer_pattern="SRA"), group_size=16)
+    model = quantize_weights(tiny_model(layer_pattern="SA"), group_size=16)
     prompts = [[5, 6, 7, 8, 9], [3, 4, 9, 1, 2, 7]]
     eager = IncrementalDecoder(model).generate(prompts, max_new_tokens=6)
     compiled = IncrementalDecoder(model, compile=True).generate(prompts, max_new_tokens=6)
