@@ -154,9 +154,9 @@ def test_generate_without_tokenizer_takes_ids(capsys, tmp_path):
     assert "--prompt needs tokenizer files" in capsys.readouterr().err
 
 
-@pytest.mark.slow  # one inductor compile of a two-layer model (10-30 s)
+@pytest.mark.slow  # one inductor compile of a one-layer model (10-30 s)
 def test_generate_compile_prints_the_eager_tokens(capsys, tmp_path):
-    tiny_model(layer_pattern="SA", mlp_types=["none", "none"]).save_pretrained(tmp_path)
+    tiny_model(layer_pattern="A", mlp_types=["none"]).save_pretrained(tmp_path)
     printed = []
     for extra in ([], ["--compile"]):
         main(["generate", "--model", str(tmp_path), "--ids", "3,4,5", "--max-new-tokens", "6", *extra])
