@@ -354,7 +354,7 @@ _ops = torch.library.Library("hybridlm", "FRAGMENT")
 _ops.define("cpu_linear(Tensor x, Tensor weight, Tensor? scale, Tensor? zero_point, Tensor? bias) -> Tensor")
 _ops.define("cpu_packed_linear(Tensor x, Tensor packed, int out_features, Tensor? scale, Tensor? zero_point, "
             "Tensor? bias) -> Tensor")
-_ops.define("cpu_int8_linear(Tensor x, Tensor packed, Tensor scales, int out_features, Tensor? bias) -> Tensor")
+_ops.define("cpu_int8_linear(Tensor x, Tensor codes, Tensor scales, int out_features, Tensor? bias) -> Tensor")
 _ops.define("cpu_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float? scale) -> Tensor")
 
 
@@ -369,7 +369,7 @@ def _(x, packed, out_features, scale, zero_point, bias):
 
 
 @torch.library.register_fake("hybridlm::cpu_int8_linear")
-def _(x, packed, scales, out_features, bias):
+def _(x, codes, scales, out_features, bias):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -400,7 +400,7 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     of the graph where the weight is one."""
     out, features = weight.shape
     blocks = -(-out // PACKED_OUTPUTS)
-    padded = F.pad(weight, (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 16, in]
+    padded = F.pad(weight, (0, 0, 0, blocks * PACKED_OUTPUTS - out)) if out % PACKED_OUTPUTS else weight
     return padded.view(blocks, PACKED_OUTPUTS, features).transpose(1, 2).contiguous()  # [blocks, in, 16]
 
 
@@ -420,10 +420,9 @@ def pack_int8_pairs(codes: torch.Tensor) -> torch.Tensor:
     ``cpu_int8_linear``, which multiplies a pair at a time. Plain tensor ops, folded by inductor's freezing as
     :func:`pack_linear_weight`'s are."""
     out, features = codes.shape
-    blocks = -(-out // PACKED_OUTPUTS)
-    padded = F.pad(codes, (0, 0, 0, blocks * PACKED_OUTPUTS - out))  # [blocks * 16, in]
-    pairs = padded.view(blocks, PACKED_OUTPUTS, features // 2, 2)
-    return pairs.permute(0, 2, 1, 3).contiguous()  # [blocks, in / 2, 16, 2]
+    pairs = codes.view(torch.int16)  # [out, in / 2]: each feature pair's two codes as one element
+    packed = pack_linear_weight(pairs)  # [blocks, in / 2, 16] pairs
+    return packed.view(torch.int8).view(*packed.shape, 2)  # [blocks, in / 2, 16, 2]
 
 
 def pack_group_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -439,10 +438,11 @@ def int8_linear_rows(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     (even); each row of ``x [..., in]`` (fp32 or bf16, CPU) is quantized per group to int8 codes with the scale
     ``max |x| / 127``, rounded half to even (:func:`hybridlm.ops.activation_groups.quantize_groups`). The group's
     sums are exact in int32, the groups summed in fp32 and the output rounded once. The op
-    ``torch.ops.hybridlm.cpu_int8_linear`` over the packed codes and scales (packed here, on every call)."""
+    ``torch.ops.hybridlm.cpu_int8_linear`` over the codes and scales as they are: each thread packs the block of 16
+    outputs it multiplies, where a compiled graph passes :func:`pack_int8_pairs`' and :func:`pack_group_scales`'
+    layouts, packed once."""
     load_torch_ops()
-    return torch.ops.hybridlm.cpu_int8_linear(x, pack_int8_pairs(codes), pack_group_scales(scales), codes.shape[0],
-                                              bias)
+    return torch.ops.hybridlm.cpu_int8_linear(x, codes, scales, codes.shape[0], bias)
 
 
 def _time_major(x: torch.Tensor, name: str, batch: int, time: int, dstate: int) -> torch.Tensor:

@@ -67,17 +67,19 @@ def int8_groups_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     (:func:`hybridlm.model.quantize_weights` with ``group_size``), in int8 x int8 products through
     ``cpu_int8_linear``, where it serves the call (CPU, inference), else None: the caller multiplies
     :func:`hybridlm.ops.activation_groups.round_through_int8_groups`'s input by the dequantized weight. A compiled
-    graph with constant weights packs them once (folded); elsewhere they are packed on every call. Prefill rows go
-    to the kernel too: 256 rows of SmolLM2's 1,536 x 576 (bf16, 1 thread) took 4.2 ms against 6.8 for that fp32
-    path and 5.6 for its fp32 product alone (108 against 81 GFLOP/s)."""
+    graph with constant weights packs them once (folded); elsewhere the kernel packs each block of outputs where it
+    multiplies it (packing the whole weight with tensor ops on every call made SmolLM2's 256-token prefill 1.5x
+    slower). Prefill rows go to the kernel too: 256 rows of SmolLM2's 1,536 x 576 (bf16, 1 thread) took 4.2 ms
+    against 6.8 for that fp32 path and 5.6 for its fp32 product alone (108 against 81 GFLOP/s)."""
     if not (SERVES_INT8_PRODUCTS and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and x.numel() > 0 and cpu_kernels.torch_ops_ready()):
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         return None
     codes, scales = weight.qdata, weight.scale  # [out, in] int8, [out, in / group] fp32
-    packed, packed_scales = cpu_kernels.pack_int8_pairs(codes), cpu_kernels.pack_group_scales(scales)
-    return torch.ops.hybridlm.cpu_int8_linear(x, packed, packed_scales, codes.shape[0], bias)
+    if _weights_are_constants():
+        codes, scales = cpu_kernels.pack_int8_pairs(codes), cpu_kernels.pack_group_scales(scales)
+    return torch.ops.hybridlm.cpu_int8_linear(x, codes, scales, weight.qdata.shape[0], bias)
 
 
 @torch._dynamo.assume_constant_result

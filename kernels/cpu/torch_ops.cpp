@@ -25,9 +25,9 @@ extern "C" int linear_rows_packed(const void* x, int64_t x_kind, const void* pac
                                   const float* scale, const int8_t* zero, const float* bias, void* y, int64_t rows,
                                   int64_t in, int64_t out, int64_t threads);
 extern "C" int64_t linear_packed_outputs();
-extern "C" int int8_linear_rows(const void* x, int64_t x_bf16, const int8_t* packed, const float* scales,
-                                const float* bias, void* y, int64_t rows, int64_t in, int64_t out, int64_t group,
-                                int64_t threads);
+extern "C" int int8_linear_rows(const void* x, int64_t x_bf16, const int8_t* codes, const float* scales,
+                                int64_t w_packed, const float* bias, void* y, int64_t rows, int64_t in, int64_t out,
+                                int64_t group, int64_t threads);
 extern "C" int64_t int8_linear_block_outputs();
 
 namespace {
@@ -92,38 +92,46 @@ at::Tensor cpu_packed_linear(const at::Tensor& x, const at::Tensor& packed, int6
   return linear_product(x, packed, true, out_features, packed.size(1), scale, zero_point, bias);
 }
 
-// y = x @ W^T + bias, like x, in int8 x int8 products (integer_linear.cpp): W's codes packed in pairs of features
-// for blocks of 16 outputs, [ceil(out / 16), in / 2, 16, 2], with one scale per output and group of features,
-// [ceil(out / 16), in / group, 16]; x quantized per row and group inside. See cpu_kernels.int8_linear_rows.
-at::Tensor cpu_int8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+// y = x @ W^T + bias, like x, in int8 x int8 products (integer_linear.cpp), with one scale per output and group of
+// features. W's codes either packed in pairs of features for blocks of 16 outputs, [ceil(out / 16), in / 2, 16, 2],
+// with scales [ceil(out / 16), in / group, 16] (weights packed once, ahead: a compiled graph's constants), or as
+// they are, [out, in] with scales [out, in / group] (each block packed where it is multiplied: eager calls); x
+// quantized per row and group inside. See cpu_kernels.int8_linear_rows.
+at::Tensor cpu_int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                            int64_t out_features, const std::optional<at::Tensor>& bias) {
-  const int64_t block = int8_linear_block_outputs();
-  TORCH_CHECK_VALUE(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(1) > 0
-                        && packed.size(2) == block && packed.size(3) == 2 && out_features > 0
-                        && (out_features + block - 1) / block == packed.size(0),
-                    "int8_linear_rows: packed codes ", packed.sizes(), " ", packed.scalar_type(), " for ",
-                    out_features, " outputs: it takes int8 [ceil(out / ", block, "), in / 2, ", block,
-                    ", 2] (cpu_kernels.pack_int8_pairs)");
-  const int64_t in = 2 * packed.size(1);
-  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && scales.dim() == 3 && scales.size(0) == packed.size(0)
-                        && scales.size(2) == block && scales.size(1) > 0 && in % scales.size(1) == 0
-                        && (in / scales.size(1)) % 2 == 0,
+  const int64_t block = int8_linear_block_outputs(), blocks = (out_features + block - 1) / block;
+  const bool packed = codes.dim() == 4;
+  TORCH_CHECK_VALUE(codes.scalar_type() == at::kChar && out_features > 0
+                        && (packed ? codes.size(0) == blocks && codes.size(1) > 0 && codes.size(2) == block
+                                         && codes.size(3) == 2
+                                   : codes.dim() == 2 && codes.size(0) == out_features && codes.size(1) > 0
+                                         && codes.size(1) % 2 == 0),
+                    "int8_linear_rows: codes ", codes.sizes(), " ", codes.scalar_type(), " for ", out_features,
+                    " outputs: it takes int8 [out, in] (in even), or packed [ceil(out / ", block, "), in / 2, ",
+                    block, ", 2] (cpu_kernels.pack_int8_pairs)");
+  const int64_t in = packed ? 2 * codes.size(1) : codes.size(1), groups = scales.size(-1);
+  const int64_t group = groups > 0 ? in / (packed ? scales.size(1) : groups) : 0;
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && group > 0 && group % 2 == 0
+                        && (packed ? scales.dim() == 3 && scales.size(0) == blocks && scales.size(2) == block
+                                         && in % scales.size(1) == 0
+                                   : scales.dim() == 2 && scales.size(0) == out_features && in % groups == 0),
                     "int8_linear_rows: scales ", scales.sizes(), " ", scales.scalar_type(), " for codes ",
-                    packed.sizes(), ": it takes fp32 [blocks, in / group, ", block, "], the group even");
-  TORCH_CHECK_VALUE(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu(),
+                    codes.sizes(), ": it takes fp32 [out, in / group], or packed [blocks, in / group, ", block,
+                    "] beside packed codes, the group even");
+  TORCH_CHECK_VALUE(x.device().is_cpu() && codes.device().is_cpu() && scales.device().is_cpu(),
                     "int8_linear_rows: x, codes and scales must be on the CPU");
   TORCH_CHECK_VALUE(x.dim() > 0 && x.size(-1) == in && (x.scalar_type() == at::kFloat ||
                                                         x.scalar_type() == at::kBFloat16),
                     "int8_linear_rows: x ", x.sizes(), " ", x.scalar_type(), ": it takes fp32 or bf16 with ", in,
                     " features");
   const at::Tensor biases = per_output(bias, "bias", out_features, at::kFloat);
-  const at::Tensor xc = x.contiguous(), codes = packed.contiguous(), sc = scales.contiguous();
+  const at::Tensor xc = x.contiguous(), wc = codes.contiguous(), sc = scales.contiguous();
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = out_features;
   at::Tensor y = at::empty(sizes, x.options());
-  int8_linear_rows(xc.data_ptr(), x.scalar_type() == at::kBFloat16, codes.data_ptr<int8_t>(), sc.data_ptr<float>(),
-                   biases.defined() ? biases.data_ptr<float>() : nullptr, y.data_ptr(), xc.numel() / in, in,
-                   out_features, in / scales.size(1), at::get_num_threads());
+  int8_linear_rows(xc.data_ptr(), x.scalar_type() == at::kBFloat16, wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+                   packed, biases.defined() ? biases.data_ptr<float>() : nullptr, y.data_ptr(), xc.numel() / in, in,
+                   out_features, group, at::get_num_threads());
   return y;
 }
 

@@ -1,6 +1,6 @@
 """The int8 x int8 decode-step linear (``kernels/cpu/integer_linear.cpp`` through ``cpu_kernels.int8_linear_rows``
 and the ``hybridlm::cpu_int8_linear`` op): the inputs' quantization per group against its definition, the product
-against float64 sums of the same codes, the packed layout, its threads, and in a compiled graph with frozen weights
+against float64 sums of the same codes, the packed layout (ahead, or by the kernel block by block), its threads, and in a compiled graph with frozen weights
 the packing folded into constants; where :class:`hybridlm.layers.linear.Linear` takes it; its errors."""
 
 from __future__ import annotations
@@ -117,6 +117,22 @@ def test_packed_layout_is_pairs_of_features_in_blocks_of_16_outputs():
     assert (packed[2, :, 5:] == 0).all() and (packed_scales[2, :, 5:] == 0).all()  # outputs 37..47: padding
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), pairs=st.integers(1, 40), out_features=st.integers(1, 50), seed=st.integers(0, 2**16))
+def test_codes_packed_ahead_or_in_the_kernel_give_the_same_bits(rows, pairs, out_features, seed):
+    """Eager calls pass the codes as they are and the kernel packs each block of 16 outputs (8 feature pairs at a
+    time in SSE2 registers, the rest one by one); compiled graphs pass them packed ahead. Both multiply the same
+    packed block: equal bits, for pair counts on and off the multiples of 8 and outputs off the blocks of 16."""
+    generator = torch.Generator().manual_seed(seed)
+    codes, scales = random_codes(out_features, 2 * pairs, 2, generator)
+    x = torch.randn(rows, 2 * pairs, generator=generator).bfloat16()
+    cpu_kernels.load_torch_ops()
+    packed = torch.ops.hybridlm.cpu_int8_linear(x, cpu_kernels.pack_int8_pairs(codes),
+                                                cpu_kernels.pack_group_scales(scales), out_features, None)
+    as_they_are = torch.ops.hybridlm.cpu_int8_linear(x, codes, scales, out_features, None)
+    assert packed.abs().max() > 0 and torch.equal(as_they_are, packed)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 40])  # 40: the rows are quantized by several threads too
 def test_threads_give_the_same_bits(rows):
     codes, scales = random_codes(700, 256, 32, torch.Generator().manual_seed(1))
@@ -171,24 +187,36 @@ def test_inductor_folds_the_packing_into_constants():
 
 
 @pytest.mark.parametrize("case, message", [
-    ("codes shape", r"packed codes \[3, 32, 16\] Char for 40 outputs: it takes int8 \[ceil\(out / 16\), in / 2, "
-                    r"16, 2\]"),
+    ("packed codes shape", r"codes \[3, 32, 16\] Char for 40 outputs: it takes int8 \[out, in\] \(in even\), or "
+                           r"packed \[ceil\(out / 16\), in / 2, 16, 2\]"),
+    ("odd in", r"codes \[40, 63\] Char for 40 outputs: it takes int8 \[out, in\] \(in even\)"),
+    ("outputs", r"codes \[40, 64\] Char for 41 outputs"),
     ("odd group", r"scales \[3, 64, 16\] Float .*the group even"),
+    ("groups", r"scales \[40, 3\] Float for codes \[40, 64\]: it takes fp32 \[out, in / group\]"),
+    ("packed scales beside codes", r"scales \[3, 2, 16\] Float for codes \[40, 64\]"),
     ("features", "it takes fp32 or bf16 with 64 features"),
     ("fp16 input", "it takes fp32 or bf16 with 64 features"),
 ])
 def test_errors_name_the_problem(case, message):
     codes, scales = random_codes(40, 64, 32, torch.Generator().manual_seed(2))
     packed, packed_scales = cpu_kernels.pack_int8_pairs(codes), cpu_kernels.pack_group_scales(scales)
-    x = torch.randn(2, 64)
-    if case == "codes shape":
+    x, outputs = torch.randn(2, 64), 40
+    if case == "packed codes shape":
         packed = packed[..., 0]
+    elif case == "odd in":
+        packed, packed_scales, x = codes[:, :63], scales, torch.randn(2, 63)
+    elif case == "outputs":
+        packed, packed_scales, outputs = codes, scales, 41
     elif case == "odd group":
         packed_scales = torch.zeros(3, 64, 16)
+    elif case == "groups":
+        packed, packed_scales = codes, torch.ones(40, 3)
+    elif case == "packed scales beside codes":
+        packed = codes
     elif case == "features":
         x = torch.randn(2, 48)
     elif case == "fp16 input":
         x = x.half()
     cpu_kernels.load_torch_ops()
     with pytest.raises(ValueError, match=message):
-        torch.ops.hybridlm.cpu_int8_linear(x, packed, packed_scales, 40, None)
+        torch.ops.hybridlm.cpu_int8_linear(x, packed, packed_scales, outputs, None)
