@@ -1,6 +1,6 @@
 // The linear layer in int8 x int8 products on the CPU (decode steps and prefill rows), behind a plain C interface
-// (built with the other kernels here by hybridlm/ops/cpu_kernels.py): llama.cpp's Q8_0 scheme. The weights are int8 codes
-// with one fp32 scale per output and group of G input features (torchao's weight-only int8 in groups,
+// (built with the other kernels here by hybridlm/ops/cpu_kernels.py): llama.cpp's Q8_0 scheme. The weights are int8
+// codes with one fp32 scale per output and group of G input features (torchao's weight-only int8 in groups,
 // hybridlm.model.quantize_weights(group_size=G)); each input row is quantized here, per group of the same G
 // features, to int8 codes with their own scale:
 //   sx[m, g] = max_{k in g} |x[m, k]| / 127,  qx[m, k] = round_half_even(x[m, k] / sx[m, g])  (0 where sx is 0)
@@ -141,7 +141,8 @@ void pack_block(const int8_t* codes, const float* scales, int64_t n0, int64_t ou
   for (; p < pairs; ++p)
     for (int64_t j = 0; j < kBlockOutputs; ++j) packed[p * kBlockOutputs + j] = j < valid ? rows[j * pairs + p] : 0;
   for (int64_t g = 0; g < groups; ++g)
-    for (int64_t j = 0; j < kBlockOutputs; ++j) sw[g * kBlockOutputs + j] = j < valid ? scales[(n0 + j) * groups + g] : 0.f;
+    for (int64_t j = 0; j < kBlockOutputs; ++j)
+      sw[g * kBlockOutputs + j] = j < valid ? scales[(n0 + j) * groups + g] : 0.f;
 }
 
 // Row m of x (fp32, or bf16 where x_bf16) quantized per group: codes into qx, scales into sx.

@@ -1,7 +1,8 @@
-"""The int8 x int8 decode-step linear (``kernels/cpu/integer_linear.cpp`` through ``cpu_kernels.int8_linear_rows``
-and the ``hybridlm::cpu_int8_linear`` op): the inputs' quantization per group against its definition, the product
-against float64 sums of the same codes, the packed layout (ahead, or by the kernel block by block), its threads, and in a compiled graph with frozen weights
-the packing folded into constants; where :class:`hybridlm.layers.linear.Linear` takes it; its errors."""
+"""The int8 x int8 linear (``kernels/cpu/integer_linear.cpp`` through ``cpu_kernels.int8_linear_rows`` and the
+``hybridlm::cpu_int8_linear`` op): the inputs' quantization per group against its definition, the product against
+float64 sums of the same codes, the packed layout (packed ahead, or block by block in the kernel), its threads, and
+in a compiled graph with frozen weights the packing folded into constants; where
+:class:`hybridlm.layers.linear.Linear` takes it; its errors."""
 
 from __future__ import annotations
 
