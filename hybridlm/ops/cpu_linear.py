@@ -96,6 +96,12 @@ def _weight_parts(weight: torch.Tensor, dtype: torch.dtype) -> tuple | None:
     codes with one scale per output row; None for any other weight."""
     if type(weight) in (torch.Tensor, torch.nn.Parameter):
         return (weight, None, None) if weight.dtype == torch.bfloat16 == dtype else None
+    return int8_row_codes(weight)
+
+
+def int8_row_codes(weight: torch.Tensor) -> tuple | None:
+    """``(codes [out, in] int8, scale [out, 1], zero_point [out, 1] or None)`` of torchao's weight-only int8 codes
+    with one scale per output row; None for any other weight."""
     codes, scale = getattr(weight, "qdata", None), getattr(weight, "scale", None)
     if (not weight_only_codes(weight) or codes is None or codes.dtype != torch.int8 or codes.dim() != 2 or scale is None
             or list(getattr(weight, "block_size", ())) != [1, codes.shape[1]]):

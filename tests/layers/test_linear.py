@@ -110,8 +110,23 @@ def test_int8_weight_only_codes_are_dequantized_to_fp32_and_other_codes_keep_the
     reference = x.double() @ weights.T  # the codes' exact product
     assert reference.abs().max() > 0.1
     assert_rounded_once(_without_products(layer, x, REDUCED), reference, x.double().abs() @ weights.abs().T, 64)
+    assert torch.equal(linear._fp32_weight(codes, x), codes.dequantize(torch.float32))  # in place, the same bits
     assert linear._fp32_weight(activations_too[0].weight, x) is None  # the input is quantized too: its own product
     assert torch.equal(_without_products(activations_too, x, REDUCED), _without_products(activations_too, x, []))
+
+
+def test_int8_codes_with_a_zero_point_dequantize_to_the_correctly_rounded_fp32_weight():
+    """(codes - zero point) is an exact integer and its product with the fp32 scale is rounded once: the float64
+    product rounded to fp32, bit for bit (a stand-in for torchao's tensor, whose symmetric codes have no offset)."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.randint(-128, 128, (24, 16), generator=g, dtype=torch.int8)
+    zero_point = torch.randint(-9, 10, (24, 1), generator=g, dtype=torch.int8)
+    scale = torch.rand(24, 1, generator=g) * 0.01 + 1e-3
+    weight = mock.Mock(qdata=codes, scale=scale, zero_point=zero_point, act_quant_kwargs=None, act_pre_scale=None,
+                       block_size=[1, 16], dtype=torch.bfloat16)
+    expected = ((codes.double() - zero_point.double()) * scale.double()).float()
+    assert bool((zero_point != 0).any()) and expected.abs().max() > 0.1
+    assert torch.equal(linear._fp32_weight(weight, torch.zeros(MIN_FP32_ROWS, 16).bfloat16()), expected)
 
 
 def test_gradients_flow_through_the_fp32_product():
