@@ -19,6 +19,10 @@
 
 #include "vectors.h"
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace {
 
 using hybridlm_cpu::bf16_to_float;
