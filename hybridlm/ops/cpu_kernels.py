@@ -419,7 +419,6 @@ def pack_int8_pairs(codes: torch.Tensor) -> torch.Tensor:
     side by side, ``[ceil(out / 16), in / 2, 16, 2]``, the outputs past ``out`` zero: the layout of
     ``cpu_int8_linear``, which multiplies a pair at a time. Plain tensor ops, folded by inductor's freezing as
     :func:`pack_linear_weight`'s are."""
-    out, features = codes.shape
     pairs = codes.view(torch.int16)  # [out, in / 2]: each feature pair's two codes as one element
     packed = pack_linear_weight(pairs)  # [blocks, in / 2, 16] pairs
     return packed.view(torch.int8).view(*packed.shape, 2)  # [blocks, in / 2, 16, 2]

@@ -77,9 +77,10 @@ def int8_groups_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if torch.is_grad_enabled() and x.requires_grad:
         return None
     codes, scales = weight.qdata, weight.scale  # [out, in] int8, [out, in / group] fp32
+    out_features = codes.shape[0]
     if _weights_are_constants():
         codes, scales = cpu_kernels.pack_int8_pairs(codes), cpu_kernels.pack_group_scales(scales)
-    return torch.ops.hybridlm.cpu_int8_linear(x, codes, scales, weight.qdata.shape[0], bias)
+    return torch.ops.hybridlm.cpu_int8_linear(x, codes, scales, out_features, bias)
 
 
 @torch._dynamo.assume_constant_result

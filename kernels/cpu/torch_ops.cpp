@@ -109,12 +109,12 @@ at::Tensor cpu_int8_linear(const at::Tensor& x, const at::Tensor& codes, const a
                     "int8_linear_rows: codes ", codes.sizes(), " ", codes.scalar_type(), " for ", out_features,
                     " outputs: it takes int8 [out, in] (in even), or packed [ceil(out / ", block, "), in / 2, ",
                     block, ", 2] (cpu_kernels.pack_int8_pairs)");
-  const int64_t in = packed ? 2 * codes.size(1) : codes.size(1), groups = scales.size(-1);
-  const int64_t group = groups > 0 ? in / (packed ? scales.size(1) : groups) : 0;
+  // the scales' groups are their second dimension in both layouts
+  const int64_t in = packed ? 2 * codes.size(1) : codes.size(1), groups = scales.dim() >= 2 ? scales.size(1) : 0;
+  const int64_t group = groups > 0 && in % groups == 0 ? in / groups : 0;
   TORCH_CHECK_VALUE(scales.scalar_type() == at::kFloat && group > 0 && group % 2 == 0
                         && (packed ? scales.dim() == 3 && scales.size(0) == blocks && scales.size(2) == block
-                                         && in % scales.size(1) == 0
-                                   : scales.dim() == 2 && scales.size(0) == out_features && in % groups == 0),
+                                   : scales.dim() == 2 && scales.size(0) == out_features),
                     "int8_linear_rows: scales ", scales.sizes(), " ", scales.scalar_type(), " for codes ",
                     codes.sizes(), ": it takes fp32 [out, in / group], or packed [blocks, in / group, ", block,
                     "] beside packed codes, the group even");
